@@ -1,11 +1,11 @@
 # The two quickstart commands: `make train` (main job on the built-in default)
-# and `make test` (lint + test suite). Each creates .venv on first use.
+# and `make test` (test suite, ruff included via tests/test_lint.py). Each creates .venv on first use.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test lint format clean
+.PHONY: train test format clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,11 +14,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(PY) -m jaxrl_llm.train --config configs/quickstart.py $(ARGS)
+	$(PY) -m jaxrl_llm.demo
 
 test: $(STAMP)
-	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q $(ARGS)
 
 format: $(STAMP)
