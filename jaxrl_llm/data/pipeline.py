@@ -1,0 +1,358 @@
+"""The prompt pipeline: a source of (prompt, answer, metadata) records -> grain -> `PromptBatch`.
+
+Sources (all random access, so grain can shuffle and shard by index):
+
+* a built-in task (`task_source`, ``"arithmetic/level1"``), built into TFDS ArrayRecord files on
+  first use and read with ``tfds.data_source``;
+* a JSONL file of ``{"prompt": ..., "answer": ..., ...}`` lines (`jsonl_source`);
+* any prepared TFDS dataset by name (`tfds_source`, e.g. ``"gsm8k"``), its fields mapped onto
+  prompt and answer.
+
+`make_pipeline` equalizes and shards the records by process, shuffles with a seed (a fresh
+permutation per epoch), repeats, tokenizes with a prompt template, left-pads to a fixed length
+and batches. The result is a ``grain.IterDataset``; its iterator's ``get_state()`` is a small
+JSON-able dict, and ``set_state(state)`` on a fresh iterator resumes at exactly the next batch.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+from flax import struct
+from flax.core import FrozenDict
+
+from jaxrl_llm.data import tasks
+from jaxrl_llm.data.tokenizer import Tokenizer
+
+Record = dict[str, Any]  # {"prompt": str, "answer": str, "metadata": dict}
+
+
+@struct.dataclass
+class PromptBatch:
+    """One batch of prompts for the sampler, left-padded so every prompt ends at column Lp-1.
+
+    Only the arrays are pytree leaves. The text fields are static (host-side) metadata for
+    scoring and logging: pass ``tokens``/``mask`` into jitted code, not the whole batch, or
+    every new batch would be a new static argument and trigger a recompile.
+    """
+
+    tokens: np.ndarray  # [B, Lp] int32, pad_id on the left
+    mask: np.ndarray  # [B, Lp] bool, True on real prompt tokens
+    lengths: np.ndarray  # [B] int32, real tokens per prompt (mask.sum(-1))
+    prompts: tuple[str, ...] = struct.field(pytree_node=False)  # [B] prompt text, untemplated
+    answers: tuple[str, ...] = struct.field(pytree_node=False)  # [B] reference answers
+    metadata: tuple[FrozenDict, ...] = struct.field(pytree_node=False)  # [B] task fields
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+
+# --------------------------------------------------------------------------------------------
+# sources
+# --------------------------------------------------------------------------------------------
+
+
+class RecordSource:
+    """A random-access view of ``base`` whose items are normalized to `Record` by ``fn``.
+
+    Implements grain's ``RandomAccessDataSource`` protocol (``__len__``, ``__getitem__``).
+    """
+
+    def __init__(self, base: Sequence[Any], fn: Callable[[Any], Record], name: str):
+        self._base, self._fn, self.name = base, fn, name
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+    def __getitem__(self, index: int) -> Record:
+        return self._fn(self._base[int(index)])
+
+    def __repr__(self) -> str:
+        return f"RecordSource({self.name!r}, {len(self)} records)"
+
+
+def _plain(value: Any) -> Any:
+    """TFDS/JSON values as hashable Python: bytes -> str, arrays/lists -> tuples, numpy
+    scalars -> int/float, so metadata can ride in a `FrozenDict`."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.ndarray):
+        return tuple(_plain(v) for v in value.tolist())
+    if isinstance(value, list | tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Mapping):
+        return FrozenDict({k: _plain(v) for k, v in value.items()})
+    return value
+
+
+def task_source(
+    task: str,
+    split: str = "train",
+    difficulty: int = 1,
+    *,
+    data_dir: str | None = None,
+    num_train: int | None = None,
+    num_test: int | None = None,
+    seed: int = 0,
+) -> RecordSource:
+    """A built-in task's split, built into ``data_dir`` (ArrayRecord) the first time.
+
+    Metadata carries ``task`` (which the ``correct`` reward dispatches on), ``difficulty`` and,
+    for countdown, ``numbers`` and ``target``.
+    """
+    from jaxrl_llm.data import tfds_builders  # imports TFDS; only sources that need it pay
+
+    builder = tfds_builders.build_task_dataset(
+        task, difficulty, data_dir=data_dir, num_train=num_train, num_test=num_test, seed=seed
+    )
+    base = builder.as_data_source(split=split)
+
+    def normalize(example: Mapping[str, Any]) -> Record:
+        fields = {k: _plain(v) for k, v in example.items()}
+        prompt, answer = fields.pop("prompt"), fields.pop("answer")
+        return {"prompt": prompt, "answer": answer, "metadata": {"task": task, **fields}}
+
+    return RecordSource(base, normalize, f"{task}/level{difficulty}:{split}")
+
+
+def jsonl_source(path: str | pathlib.Path) -> RecordSource:
+    """Records from a JSONL file: one ``{"prompt": str, "answer": str|number, ...}`` per line.
+
+    A ``metadata`` object, if present, and every other top-level key become the record's
+    metadata, so a line like ``{"prompt": "3,5->15:", "answer": "3*5", "task": "countdown",
+    "numbers": [3, 5], "target": 15}`` is verified like a built-in countdown instance. The
+    file is read once, eagerly: prompt files are small, and a bad line should fail at start-up
+    with its line number, not mid-run.
+    """
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON: {e}") from e
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path}:{line_no}: needs a string 'prompt' field")
+            if "answer" not in row:
+                raise ValueError(f"{path}:{line_no}: needs an 'answer' field")
+            metadata = dict(row.pop("metadata", None) or {})
+            prompt, answer = row.pop("prompt"), row.pop("answer")
+            metadata.update(row)
+            records.append({"prompt": prompt, "answer": str(answer), "metadata": _plain(metadata)})
+    if not records:
+        raise ValueError(f"{path}: no records")
+    return RecordSource(records, lambda r: {**r, "metadata": dict(r["metadata"])}, str(path))
+
+
+def gsm8k_final_answer(solution: str) -> str:
+    """GSM8K's answer field is a worked solution ending in ``#### 42``; returns ``"42"``."""
+    return solution.rsplit("####", 1)[-1].strip().replace(",", "")
+
+
+# Field conventions of known TFDS datasets: (prompt key, answer key, answer post-processing).
+TFDS_FIELDS: dict[str, tuple[str, str, Callable[[str], str] | None]] = {
+    "gsm8k": ("question", "answer", gsm8k_final_answer),
+}
+
+
+def tfds_source(
+    name: str,
+    split: str = "train",
+    *,
+    data_dir: str | None = None,
+    prompt_key: str | None = None,
+    answer_key: str | None = None,
+    answer_fn: Callable[[str], str] | None = None,
+) -> RecordSource:
+    """A prepared TFDS dataset by name (``"gsm8k"``, ``"gsm8k/main:1.0.0"``), read with
+    ``tfds.data_source``; it must have been prepared in ArrayRecord format.
+
+    Keys and answer post-processing default to `TFDS_FIELDS` for the dataset's base name, else
+    to ``prompt``/``answer``. Fields other than the prompt go into metadata; when ``answer_fn``
+    rewrites the answer, the raw field is kept there too. ``metadata["task"]`` is the base name.
+    """
+    import tensorflow_datasets as tfds
+
+    base_name = name.split("/")[0].split(":")[0]
+    default_prompt, default_answer, default_fn = TFDS_FIELDS.get(
+        base_name, ("prompt", "answer", None)
+    )
+    prompt_key = prompt_key or default_prompt
+    answer_key = answer_key or default_answer
+    answer_fn = answer_fn or default_fn
+    base = tfds.data_source(name, split=split, data_dir=data_dir)
+
+    def normalize(example: Mapping[str, Any]) -> Record:
+        fields = {k: _plain(v) for k, v in example.items()}
+        prompt, raw = fields.pop(prompt_key), fields[answer_key]
+        if answer_fn is None:
+            fields.pop(answer_key)
+        return {
+            "prompt": prompt,
+            "answer": answer_fn(raw) if answer_fn else str(raw),
+            "metadata": {"task": base_name, **fields},
+        }
+
+    return RecordSource(base, normalize, f"{name}:{split}")
+
+
+def make_source(spec: str, split: str = "train", *, data_dir: str | None = None) -> RecordSource:
+    """A source from a config string.
+
+    * ``"arithmetic"``, ``"countdown/level3"``: a built-in task (level 1 when omitted);
+    * ``"jsonl:path/{split}.jsonl"`` or any path ending in ``.jsonl`` (``{split}`` is
+      replaced by the split name);
+    * ``"tfds:gsm8k"``: a prepared TFDS dataset.
+    """
+    if spec.startswith("tfds:"):
+        return tfds_source(spec.removeprefix("tfds:"), split, data_dir=data_dir)
+    if spec.startswith("jsonl:") or spec.endswith(".jsonl"):
+        return jsonl_source(spec.removeprefix("jsonl:").format(split=split))
+    task, _, level = spec.partition("/")
+    if task in tasks.TASKS:
+        if level and not (level.startswith("level") and level[5:].isdigit()):
+            raise ValueError(f"bad task spec {spec!r}: expected e.g. '{task}/level1'")
+        difficulty = int(level[5:]) if level else 1
+        return task_source(task, split, difficulty, data_dir=data_dir)
+    raise ValueError(
+        f"unknown source {spec!r}: expected a built-in task {sorted(tasks.TASKS)} "
+        "(optionally '/levelN'), 'jsonl:PATH' or 'tfds:NAME'"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# pipeline
+# --------------------------------------------------------------------------------------------
+
+
+def _encoder(
+    tokenizer: Tokenizer, prompt_len: int, template: str, add_bos: bool, truncate: str
+) -> Callable[[Record], Record]:
+    def encode(record: Record) -> Record:
+        ids = tokenizer.encode_prompt(record["prompt"], template, add_bos=add_bos)
+        if len(ids) > prompt_len:
+            if truncate != "left":
+                raise ValueError(
+                    f"prompt of {len(ids)} tokens exceeds prompt_len={prompt_len}: "
+                    f"{record['prompt'][:100]!r}; raise prompt_len or use truncate='left'"
+                )
+            # Keep the end: it holds the question and the cue to answer.
+            ids = ids[len(ids) - prompt_len :]
+        return {**record, "ids": np.asarray(ids, np.int32)}
+
+    return encode
+
+
+def _batcher(pad_id: int, prompt_len: int) -> Callable[[Sequence[Record]], PromptBatch]:
+    def batch(records: Sequence[Record]) -> PromptBatch:
+        tokens = np.full((len(records), prompt_len), pad_id, np.int32)
+        lengths = np.array([len(r["ids"]) for r in records], np.int32)
+        for row, r in enumerate(records):
+            tokens[row, prompt_len - len(r["ids"]) :] = r["ids"]  # left pad: prompts end aligned
+        mask = np.arange(prompt_len)[None, :] >= prompt_len - lengths[:, None]
+        return PromptBatch(
+            tokens=tokens,
+            mask=mask,
+            lengths=lengths,
+            prompts=tuple(r["prompt"] for r in records),
+            answers=tuple(r["answer"] for r in records),
+            metadata=tuple(FrozenDict(_plain(dict(r["metadata"]))) for r in records),
+        )
+
+    return batch
+
+
+def make_pipeline(
+    source: Sequence[Record] | str,
+    tokenizer: Tokenizer,
+    *,
+    batch_size: int,
+    prompt_len: int,
+    seed: int = 0,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    shard_index: int | None = None,
+    shard_count: int | None = None,
+    template: str = "plain",
+    add_bos: bool = True,
+    truncate: str = "error",
+    drop_remainder: bool = True,
+    split: str = "train",
+    data_dir: str | None = None,
+    read_options: grain.ReadOptions | None = None,
+) -> grain.IterDataset:
+    """A deterministic, resumable ``IterDataset`` of `PromptBatch` for this process.
+
+    Order of operations, and why:
+
+    1. truncate the records to a multiple of ``shard_count`` so every process sees the same
+       number of batches per epoch (hosts step in lockstep; an extra batch on one host would
+       hang the others in a collective);
+    2. shard: process ``i`` takes records ``i, i + n, i + 2n, ...`` (disjoint, covering);
+    3. shuffle with ``seed``; grain folds the epoch into the seed, so each epoch is a new
+       permutation and the whole stream is a pure function of (records, seed, shard);
+    4. repeat ``num_epochs`` times (None: forever);
+    5. tokenize with ``template``, BOS first, left-pad to ``prompt_len``;
+    6. batch ``batch_size`` records (per process: the global batch is
+       ``batch_size * shard_count``).
+
+    Args:
+      source: a `RecordSource`-like sequence of records, or a spec for `make_source`.
+      tokenizer: encodes prompts; its ``pad_id`` fills the padding.
+      batch_size: prompts per batch on this process.
+      prompt_len: Lp, the fixed padded prompt length in tokens.
+      seed: shuffle seed.
+      shuffle: False keeps the source order (e.g. for evaluation).
+      num_epochs: passes over the data, None for an endless stream.
+      shard_index, shard_count: default to ``jax.process_index()``/``jax.process_count()``.
+      template: a prompt template name (`jaxrl_llm.data.templates.TEMPLATES`).
+      add_bos: prepend BOS, which gives every left-padded prompt a fixed first real token.
+      truncate: ``"error"`` (default) fails on a prompt longer than Lp; ``"left"`` keeps its
+        last Lp tokens.
+      drop_remainder: drop the last partial batch of a finite stream (shapes stay static).
+      split, data_dir: passed to `make_source` when ``source`` is a string.
+      read_options: grain threading/prefetch; default one thread, two batches ahead, which
+        overlaps data work with the (two-core) train step without competing with it.
+
+    Returns:
+      a ``grain.IterDataset``; ``it = iter(ds)``, ``state = it.get_state()`` (a JSON-able
+      dict), and later ``it = iter(ds); it.set_state(state)`` continues with the same batches.
+    """
+    if isinstance(source, str):
+        source = make_source(source, split, data_dir=data_dir)
+    if shard_index is None or shard_count is None:
+        import jax  # only here: a pipeline with explicit shards never initializes a backend
+
+        shard_index = jax.process_index() if shard_index is None else shard_index
+        shard_count = jax.process_count() if shard_count is None else shard_count
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"shard_index {shard_index} not in [0, {shard_count})")
+    usable = len(source) // shard_count * shard_count
+    if usable // shard_count < batch_size and drop_remainder:
+        raise ValueError(
+            f"{len(source)} records give {usable // shard_count} per shard, fewer than "
+            f"batch_size={batch_size}"
+        )
+    ds = grain.MapDataset.source(source)[:usable][shard_index::shard_count]
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(num_epochs)
+    ds = ds.map(_encoder(tokenizer, prompt_len, template, add_bos, truncate))
+    ds = ds.batch(
+        batch_size,
+        drop_remainder=drop_remainder,
+        batch_fn=_batcher(tokenizer.pad_id, prompt_len),
+    )
+    return ds.to_iter_dataset(
+        read_options or grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
+    )
