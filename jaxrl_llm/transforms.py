@@ -21,6 +21,7 @@ the plain array function it wraps (`advantages.py`, `downsample.py`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -206,12 +207,16 @@ def keep_top_tokens(
 ) -> RolloutTransform:
     """Keeps the top `fraction` of the batch's active tokens by `score` (D3S tokens).
 
-    `fraction` is a float in (0, 1] or a schedule `step -> fraction` (e.g.
-    `functools.partial(downsample.keep_fraction, start=0.2, end=1.0, steps=100)`).
+    `fraction` is a float in (0, 1], a schedule `step -> fraction` (e.g.
+    `functools.partial(downsample.keep_fraction, start=0.2, end=1.0, steps=100)`), or the
+    keyword arguments of `downsample.keep_fraction` as a dict (for configs).
     Scores: "adv_x_entropy" = |A| * H_t (D3S), "entropy" = H_t (the 80/20 high-entropy
     minority of "Beyond the 80/20 Rule"), "abs_adv" = |A|.
     """
     check_choice("score", score, TOKEN_SCORES)
+    if isinstance(fraction, Mapping):  # a schedule spelled out in a config
+        fraction = functools.partial(downsample.keep_fraction, **fraction)
+        fraction(0)  # validates the schedule's arguments now
     if not callable(fraction) and not 0 < fraction <= 1:
         raise ValueError(f"fraction: expected a value in (0, 1] or a schedule, got {fraction!r}")
 

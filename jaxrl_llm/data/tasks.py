@@ -48,6 +48,10 @@ ARITHMETIC_LEVELS: dict[int, ArithmeticLevel] = {
     3: ArithmeticLevel(ops="+-*", max_digits=2, mul_max_digits=1),
     4: ArithmeticLevel(ops="+-*", max_digits=3, mul_max_digits=2),
     5: ArithmeticLevel(ops="+-*", max_digits=4, mul_max_digits=3),
+    # Addition of up to 3-digit numbers: ~500k distinct problems, too many to memorize, so
+    # a small model's accuracy on held-out problems measures the algorithm it has learned
+    # (the quickstart's task).
+    6: ArithmeticLevel(ops="+", max_digits=3, mul_max_digits=0),
 }
 
 

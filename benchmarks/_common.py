@@ -1,0 +1,71 @@
+"""Shared benchmark helpers: median wall-clock timing and a measured matmul ceiling for MFU.
+
+MFU here = model FLOPs per second / the FLOP rate of a large square matmul measured in
+the same process, so it is relative to what XLA achieves on this machine, not to a
+datasheet peak (CPUs rarely publish a usable one).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def block(tree: Any) -> Any:
+    """Waits for every array in `tree` (JAX dispatch is asynchronous)."""
+    return jax.block_until_ready(tree)
+
+
+def time_call(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Wall-clock seconds of `fn()` (blocked on its outputs).
+
+    Runs `warmup` untimed calls (compilation, caches), then `repeats` timed ones.
+    Returns {"median_s", "min_s", "max_s", "first_s"} where first_s is the first warmup
+    call (compile + run when fn is freshly jitted; NaN without warmup).
+    """
+    first = float("nan")
+    for w in range(warmup):
+        t0 = time.perf_counter()
+        block(fn())
+        if w == 0:
+            first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        block(fn())
+        times.append(time.perf_counter() - t0)
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "first_s": first,
+    }
+
+
+def matmul_ceiling(dtype: Any = jnp.float32, n: int = 2048, repeats: int = 7) -> float:
+    """Achieved FLOP/s of an n x n x n matmul in `dtype` (median of `repeats` runs).
+
+    2 n^3 FLOPs per call; the operands live on the default device.
+    """
+    a = jnp.ones((n, n), dtype)
+    b = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda a, b: a @ b)
+    stats = time_call(lambda: f(a, b), repeats=repeats, warmup=2)
+    return 2.0 * n**3 / stats["median_s"]
+
+
+def emit(record: dict[str, Any]) -> None:
+    """Prints `record` as one JSON line (floats rounded to 4 significant digits)."""
+
+    def fmt(v: Any) -> Any:
+        if isinstance(v, float):
+            return float(f"{v:.4g}")
+        return v
+
+    print(json.dumps({k: fmt(v) for k, v in record.items()}), flush=True)

@@ -1,0 +1,121 @@
+"""Sampler throughput: generated tokens/s, compile time and MFU of `jaxrl_llm.sampler`.
+
+    python -m benchmarks.sampler --d-model 256 --layers 4 --heads 4 --kv-heads 2 \
+        --ffn 1024 --vocab 64 --batch 256 --prompt-len 8 --new-tokens 64
+
+prints one JSON line (one per batch size with --batch-sweep 32,64,128,256). No EOS ids
+are passed, so every row generates exactly --new-tokens tokens and
+tokens_per_s = batch * new_tokens / median wall time of the compiled program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks._common import emit, matmul_ceiling, time_call
+from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.sampler import make_generate_fn
+
+
+def model_flops(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Useful model FLOPs of prefill + decode (2 per multiply-add).
+
+    Per token: 2 x (matmul params of all blocks + unembedding D x V), plus attention
+    scores and values, 4 x N x H x (number of keys it attends to, causal).
+    Decode feeds T - 1 tokens (the last sampled token needs no forward pass).
+    """
+    c = config
+    d, h = c.d_model, c.head_dim
+    block = d * h * (c.n_heads + 2 * c.n_kv_heads) + c.n_heads * h * d + 3 * d * c.ffn_dim
+    dense = 2 * (c.n_layers * block + d * c.vocab_size)
+    attn_per_key = 4 * c.n_layers * c.n_heads * h
+    prefill_keys = prompt_len * (prompt_len + 1) / 2
+    decode_keys = sum(prompt_len + i + 1 for i in range(new_tokens - 1))
+    tokens = prompt_len + new_tokens - 1
+    return batch * (dense * tokens + attn_per_key * (prefill_keys + decode_keys))
+
+
+def run(args: argparse.Namespace, config: ModelConfig, batch: int, ceiling: float) -> dict:
+    params = init_params(config, jax.random.key(0))
+    kp, ks = jax.random.split(jax.random.key(1))
+    prompts = jax.random.randint(kp, (batch, args.prompt_len), 0, config.vocab_size)
+    mask = jnp.ones((batch, args.prompt_len), bool)
+    fn = make_generate_fn(
+        config,
+        max_new_tokens=args.new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        kv_buckets=args.kv_buckets,
+    )
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(params, prompts, mask, ks).compile()
+    compile_s = time.perf_counter() - t0
+    stats = time_call(lambda: compiled(params, prompts, mask, ks), repeats=args.repeats)
+    generated = batch * args.new_tokens
+    flops = model_flops(config, batch, args.prompt_len, args.new_tokens)
+    return {
+        "benchmark": "sampler",
+        "tokens_per_s": generated / stats["median_s"],
+        "median_s": stats["median_s"],
+        "min_s": stats["min_s"],
+        "compile_s": compile_s,
+        "params": sum(x.size for x in jax.tree.leaves(params)),
+        "mfu": flops / stats["median_s"] / ceiling,
+        "model_gflops_per_s": flops / stats["median_s"] / 1e9,
+        "ceiling_gflops_per_s": ceiling / 1e9,
+        "batch": batch,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "kv_buckets": args.kv_buckets,
+        "dtype": config.dtype,
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=None, help="default d_model / heads")
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--batch-sweep", type=str, default="", help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--kv-buckets", type=int, default=4)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args(argv)
+
+    config = ModelConfig(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        head_dim=args.head_dim or args.d_model // args.heads,
+        ffn_dim=args.ffn,
+        tie_embeddings=True,
+        param_dtype=args.dtype,
+        dtype=args.dtype,
+    )
+    ceiling = matmul_ceiling(config.jnp_dtype)
+    batches = [int(b) for b in args.batch_sweep.split(",") if b] or [args.batch]
+    for batch in batches:
+        emit(run(args, config, batch, ceiling))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The experiment config tree: defaults, validation, and the typed views the trainer uses.
+
+Every file in `configs/` starts from `base_config()` and changes a few fields. The tree is
+locked, so a misspelt override (`--config.rl.grop_size=4`) fails with the key named, and
+`validate` checks values and cross-field consistency before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import ml_collections
+
+from jaxrl_llm import transforms
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.rewards import REWARDS
+from jaxrl_llm.train_step import LossConfig
+
+ASSETS = pathlib.Path(__file__).resolve().parent / "assets"
+# Estimators that compare members of a group: they need at least two per group.
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "median")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """All fields with their defaults (a small model on 1-2 digit addition)."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict(
+        dict(
+            vocab_size=103,
+            d_model=128,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=32,
+            ffn_dim=384,
+            activation="swiglu",
+            rms_norm_eps=1e-6,
+            norm_plus_one=False,
+            rope_theta=10_000.0,
+            qkv_bias=False,
+            tie_embeddings=True,
+            embed_scale=False,
+            param_dtype="float32",
+            dtype="float32",
+        )
+    )
+    # Where the initial policy comes from: a safetensors file ("" = random init).
+    # "builtin:NAME" resolves to jaxrl_llm/assets/NAME.safetensors (made by jaxrl_llm.sft).
+    c.init = ml_collections.ConfigDict(dict(checkpoint="builtin:base_arithmetic"))
+
+    c.data = ml_collections.ConfigDict(
+        dict(
+            source="arithmetic/level6",  # task/level, "jsonl:PATH" or "tfds:NAME"
+            eval_source="",  # "" = the test split of `source`
+            prompt_len=12,  # left-padded prompt buffer (tokens, BOS included)
+            template="plain",
+            data_dir="",  # TFDS data dir; "" = $JAXRL_DATA_DIR or ~/tensorflow_datasets
+            eval_prompts=200,
+        )
+    )
+    c.sampling = ml_collections.ConfigDict(
+        dict(max_new_tokens=10, temperature=1.0, top_k=0, top_p=1.0)
+    )
+    c.rl = ml_collections.ConfigDict(
+        dict(
+            prompts_per_step=16,  # P
+            group_size=8,  # G rollouts sampled per prompt (MC-GRPO: G' + 1)
+            # The advantage transform chain, [(name, kwargs), ...] (transforms.from_spec).
+            transforms=(("group_advantages", {"kind": "grpo"}),),
+            # DAPO dynamic sampling: extra sampling rounds to replace zero-variance groups
+            # (0 = off).
+            dynamic_sampling_rounds=0,
+            # Recompute old log-probs with a full forward pass instead of using the
+            # sampler's (needed when sampling and training numerics differ, e.g. bf16).
+            recompute_old_logps=False,
+        )
+    )
+    c.rewards = ml_collections.ConfigDict(
+        dict(names=("correct",), kwargs=ml_collections.ConfigDict())
+    )
+    c.loss = ml_collections.ConfigDict(
+        dict(
+            clip_low=0.2,
+            clip_high=0.2,
+            dual_clip=0.0,  # 0 = off, else c > 1
+            ratio="token",
+            aggregation="seq-mean-token-mean",
+            max_len=0,  # 0 = T, for seq-mean-token-sum-norm
+            beta=0.0,
+            kl_kind="k3",
+            entropy_coef=0.0,
+            num_iterations=1,
+            num_minibatches=1,
+            micro_batch_size=0,
+        )
+    )
+    c.optim = ml_collections.ConfigDict(
+        dict(
+            learning_rate=1e-4,
+            warmup_steps=5,
+            schedule="constant",
+            weight_decay=0.0,
+            b1=0.9,
+            b2=0.99,
+            max_grad_norm=1.0,
+        )
+    )
+    c.train = ml_collections.ConfigDict(
+        dict(
+            steps=100,
+            eval_every=25,
+            eval_samples=4,  # n samples per eval prompt for pass@k
+            pass_k=4,
+            eval_temperature=1.0,
+            log_every=1,
+            checkpoint_every=0,  # 0 = only at the end
+            progress=True,
+        )
+    )
+    # Supervised warm start (jaxrl_llm.sft), which makes the base policy RL starts from.
+    c.sft = ml_collections.ConfigDict(
+        dict(
+            steps=300,
+            batch_size=64,
+            learning_rate=3e-3,
+            warmup_steps=20,
+            weight_decay=0.0,
+            carry_error_rate=0.0,  # share of carrying additions written with the carry dropped
+        )
+    )
+    return c
+
+
+def _fail(key: str, message: str):
+    raise ValueError(f"config.{key}: {message}")
+
+
+def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
+    try:
+        return ModelConfig(**c.model.to_dict())
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.model: {e}") from None
+
+
+def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
+    d = c.loss.to_dict()
+    d["dual_clip"] = d["dual_clip"] or None
+    d["max_len"] = d["max_len"] or None
+    d["temperature"] = c.sampling.temperature if c.sampling.temperature > 0 else 1.0
+    try:
+        return LossConfig(**d)
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        raise ValueError(msg if msg.startswith("loss.") else f"config.loss: {msg}") from None
+
+
+def resolve_checkpoint(spec: str) -> pathlib.Path | None:
+    if not spec:
+        return None
+    if spec.startswith("builtin:"):
+        return ASSETS / f"{spec.removeprefix('builtin:')}.safetensors"
+    return pathlib.Path(spec).expanduser()
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    """Raises ValueError naming the first bad key. Runs before any compilation."""
+    model_config(c)
+    loss = loss_config(c)
+    rl, s = c.rl, c.sampling
+    if rl.prompts_per_step < 1:
+        _fail("rl.prompts_per_step", f"expected >= 1, got {rl.prompts_per_step}")
+    if rl.group_size < 1:
+        _fail("rl.group_size", f"expected >= 1, got {rl.group_size}")
+    try:
+        chain_spec = [(name, dict(kwargs)) for name, kwargs in rl.transforms]
+        transforms.from_spec(chain_spec)
+    except (TypeError, ValueError) as e:
+        _fail("rl.transforms", str(e))
+    for name, kwargs in chain_spec:
+        kind = kwargs.get("kind", "grpo")
+        if name == "group_advantages" and kind in GROUP_ESTIMATORS and rl.group_size < 2:
+            _fail("rl.group_size", f"the {kind!r} estimator needs >= 2 rollouts per group")
+        if name == "keep_max_variance_rollouts" and kwargs.get("k", 0) > rl.group_size:
+            _fail(
+                "rl.transforms", f"keep_max_variance_rollouts k={kwargs['k']} > G={rl.group_size}"
+            )
+    loss.micro_batches(rl.prompts_per_step * rl.group_size)
+    if rl.dynamic_sampling_rounds < 0:
+        _fail("rl.dynamic_sampling_rounds", f"expected >= 0, got {rl.dynamic_sampling_rounds}")
+    if s.max_new_tokens < 1:
+        _fail("sampling.max_new_tokens", f"expected >= 1, got {s.max_new_tokens}")
+    if s.temperature < 0:
+        _fail("sampling.temperature", f"expected >= 0, got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        _fail("sampling.top_p", f"expected a value in (0, 1], got {s.top_p}")
+    if not 0 <= s.top_k <= c.model.vocab_size:
+        _fail("sampling.top_k", f"expected 0 <= top_k <= vocab_size, got {s.top_k}")
+    for name in c.rewards.names:
+        if name not in REWARDS:
+            _fail("rewards.names", f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
+    for name in c.rewards.kwargs:
+        if name not in c.rewards.names:
+            _fail(f"rewards.kwargs.{name}", f"{name!r} is not in rewards.names")
+    if not c.rewards.names:
+        _fail("rewards.names", "at least one reward is needed")
+    if c.data.prompt_len < 2:
+        _fail("data.prompt_len", f"expected >= 2, got {c.data.prompt_len}")
+    t = c.train
+    if t.steps < 0:
+        _fail("train.steps", f"expected >= 0, got {t.steps}")
+    if t.eval_every < 0:
+        _fail("train.eval_every", f"expected >= 0, got {t.eval_every}")
+    if not 1 <= t.pass_k <= t.eval_samples:
+        _fail("train.pass_k", f"expected 1 <= pass_k <= eval_samples={t.eval_samples}")
+    if c.optim.learning_rate <= 0:
+        _fail("optim.learning_rate", f"expected > 0, got {c.optim.learning_rate}")
+    ckpt = resolve_checkpoint(c.init.checkpoint)
+    if ckpt is not None and not ckpt.exists():
+        _fail("init.checkpoint", f"{c.init.checkpoint!r}: no file at {ckpt}")

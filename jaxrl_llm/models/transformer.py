@@ -1,0 +1,535 @@
+"""Decoder-only transformer (Llama 2, Qwen2/2.5, Gemma) as pure functions over a params pytree.
+
+Parameters are nested dicts of arrays; per-layer weights are stacked along a leading
+"layers" axis and, without a KV cache (training, scoring), the blocks run under
+`lax.scan` (one traced block, fast compiles). With a cache (decoding) the blocks are
+unrolled over per-layer buffers, because on CPU slicing a layer out of a stacked weight
+or cache inside the decode loop costs a full copy every step. Every hot path is a pure
+function of `(params, config, arrays)` with `config` static, so `jax.jit`, `eval_shape`
+and sharding see plain pytrees.
+
+Shapes: B batch, L tokens in this call, S cache slots, D d_model, N query heads,
+K kv heads, G = N / K queries per kv head, H head_dim, F ffn_dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.partitioning import with_logical_constraint
+
+Params = dict[str, Any]
+
+# Finite "minus infinity" for masked attention scores: a query with no visible key (a
+# left-pad position) then gets a uniform, finite softmax instead of NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Default budget for chunked log-probs: at most this many float32 logits alive at once.
+_LOGITS_BUDGET = 1 << 24
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Preallocated key/value cache: one buffer per layer.
+
+    Slot s of row b holds the key/value of the token written there by `forward` with
+    `cache_index`; which slots are valid is the caller's `attention_mask` [B, S].
+
+    Per-layer buffers (not one stacked [layers, B, S, K, H] array): decoding reads the
+    whole cache every step and is memory-bound on CPU; separate buffers are updated in
+    place and read without the per-step copy that slicing a layer out of a stack costs.
+    Keys are stored transposed, [B, K, H, S], so the decode scores q . k are a sum of
+    H rows of length S (vectorizes along S); values are [B, K, S, H] for the same reason.
+    """
+
+    k: tuple[jax.Array, ...]  # n_layers x [B, K, H, S], compute dtype
+    v: tuple[jax.Array, ...]  # n_layers x [B, K, S, H], compute dtype
+
+    @property
+    def max_length(self) -> int:
+        """S, the number of slots."""
+        return self.v[0].shape[2]
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_length: int) -> KVCache:
+    """Zero cache with `max_length` slots: per layer, k [B, K, H, S] and v [B, K, S, H]."""
+    v_shape = (batch_size, config.n_kv_heads, max_length, config.head_dim)
+    k_shape = (batch_size, config.n_kv_heads, config.head_dim, max_length)
+    return KVCache(
+        k=tuple(jnp.zeros(k_shape, config.jnp_dtype) for _ in range(config.n_layers)),
+        v=tuple(jnp.zeros(v_shape, config.jnp_dtype) for _ in range(config.n_layers)),
+    )
+
+
+def split_layers(params: Params, fuse: bool = False) -> Params:
+    """Params with the stacked "layers" dict replaced by a tuple of per-layer dicts.
+
+    Cached (decoding) calls accept either form; a decode loop should split once,
+    outside the loop, so each step does not re-slice every weight out of the stack.
+    With fuse=True each layer also gets "qkv" [D, (N + 2K) H] and "gate_up" [D, 2F]
+    concatenations (and loses q/k/v/gate/up): one wide matmul instead of three or two,
+    which is faster for the small per-step matmuls of decoding.
+    """
+    layers = params["layers"]
+    if not isinstance(layers, tuple | list):
+        n = jax.tree.leaves(layers)[0].shape[0]
+        layers = tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))
+    if fuse:
+        layers = tuple(_fuse_layer(lp) for lp in layers)
+    return {**params, "layers": tuple(layers)}
+
+
+def _fuse_layer(lp: Params) -> Params:
+    if "qkv" in lp:
+        return lp
+    lp = dict(lp)
+    d = lp["q"].shape[0]
+    parts = [lp.pop(name).reshape(d, -1) for name in ("q", "k", "v")]
+    lp["qkv"] = jnp.concatenate(parts, axis=-1)
+    if "q_bias" in lp:
+        bias = [lp.pop(name).reshape(-1) for name in ("q_bias", "k_bias", "v_bias")]
+        lp["qkv_bias"] = jnp.concatenate(bias)
+    lp["gate_up"] = jnp.concatenate([lp.pop("gate"), lp.pop("up")], axis=-1)
+    return lp
+
+
+# ---- parameters ------------------------------------------------------------------------------
+
+
+def param_logical_axes(config: ModelConfig) -> Params:
+    """Logical axis names of every parameter: same structure as `init_params`.
+
+    Each leaf is a tuple of names from `partitioning.LOGICAL_AXES` with one entry per
+    array dimension; the sharding module maps them onto mesh axes.
+    """
+    layers: Params = {
+        "attn_norm": ("layers", "embed"),
+        "q": ("layers", "embed", "heads", "head_dim"),
+        "k": ("layers", "embed", "kv_heads", "head_dim"),
+        "v": ("layers", "embed", "kv_heads", "head_dim"),
+        "o": ("layers", "heads", "head_dim", "embed"),
+        "mlp_norm": ("layers", "embed"),
+        "gate": ("layers", "embed", "mlp"),
+        "up": ("layers", "embed", "mlp"),
+        "down": ("layers", "mlp", "embed"),
+    }
+    if config.qkv_bias:
+        layers["q_bias"] = ("layers", "heads", "head_dim")
+        layers["k_bias"] = ("layers", "kv_heads", "head_dim")
+        layers["v_bias"] = ("layers", "kv_heads", "head_dim")
+    axes: Params = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("embed",)}
+    if not config.tie_embeddings:
+        axes["unembed"] = ("embed", "vocab")
+    return axes
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> Params:
+    """Random parameters (structure given by `param_logical_axes`), in `param_dtype`.
+
+    Dense kernels: truncated normal with variance 1/fan_in (fan_in = contracted dims).
+    Embedding: normal with std 1/sqrt(D), so tied logits h @ E^T have unit scale for a
+    unit-RMS h. Norm scales start at the identity (1, or 0 under (1 + w)); biases at 0.
+    """
+    nl, d, n, k, h, f = (
+        config.n_layers,
+        config.d_model,
+        config.n_heads,
+        config.n_kv_heads,
+        config.head_dim,
+        config.ffn_dim,
+    )
+    dtype = config.jnp_param_dtype
+    keys = iter(jax.random.split(key, 16))
+
+    def dense(shape, in_axis, out_axis):
+        init = jax.nn.initializers.variance_scaling(
+            1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis, batch_axis=0
+        )
+        return init(next(keys), shape, dtype)
+
+    norm_init = jnp.zeros if config.norm_plus_one else jnp.ones
+    layers: Params = {
+        "attn_norm": norm_init((nl, d), dtype),
+        "q": dense((nl, d, n, h), 1, (2, 3)),
+        "k": dense((nl, d, k, h), 1, (2, 3)),
+        "v": dense((nl, d, k, h), 1, (2, 3)),
+        "o": dense((nl, n, h, d), (1, 2), 3),
+        "mlp_norm": norm_init((nl, d), dtype),
+        "gate": dense((nl, d, f), 1, 2),
+        "up": dense((nl, d, f), 1, 2),
+        "down": dense((nl, f, d), 1, 2),
+    }
+    if config.qkv_bias:
+        layers["q_bias"] = jnp.zeros((nl, n, h), dtype)
+        layers["k_bias"] = jnp.zeros((nl, k, h), dtype)
+        layers["v_bias"] = jnp.zeros((nl, k, h), dtype)
+    embed = jax.random.normal(next(keys), (config.vocab_size, d), jnp.float32) / jnp.sqrt(d)
+    params: Params = {
+        "embed": embed.astype(dtype),
+        "layers": layers,
+        "final_norm": norm_init((d,), dtype),
+    }
+    if not config.tie_embeddings:
+        params["unembed"] = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")(
+            next(keys), (d, config.vocab_size), dtype
+        )
+    return params
+
+
+# ---- building blocks -------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, config: ModelConfig) -> jax.Array:
+    """RMSNorm in float32: y = x / sqrt(mean(x^2, -1) + eps) * s, s = scale or 1 + scale.
+
+    x: [..., D]; scale: [D]. Returns [..., D] in x's dtype.
+    """
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + config.rms_norm_eps)
+    s = scale.astype(jnp.float32)
+    if config.norm_plus_one:
+        s = 1.0 + s
+    return (y * s).astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """sin, cos of shape [B, L, 1, H/2] for positions [B, L] (float32).
+
+    Angle of pair i at position p: p * theta^(-2i/H) (the "rotate half" layout used by
+    the Hugging Face Llama/Qwen/Gemma checkpoints).
+    """
+    half = config.head_dim // 2
+    exponent = jnp.arange(half, dtype=jnp.float32) * 2.0 / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta**exponent)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, L, H/2]
+    return jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Rotary embedding of x [B, L, n, H]: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query softmax attention.
+
+    q: [B, L, N, H]; k_t: [B, K, H, S] (keys transposed); v: [B, K, S, H];
+    mask: [B, L, S] bool (True = may attend).
+    out[b, l, n] = sum_s softmax_s(q[b,l,n] . k_t[b,n // G,:,s] / sqrt(H))[s] v[b,n // G,s].
+    Scores and softmax are float32. Returns [B, L, N, H] in q's dtype.
+    """
+    b, length, n, h = q.shape
+    kv = v.shape[1]
+    qg = q.reshape(b, length, kv, n // kv, h)  # [B, L, K, G, H]
+    if length == 1:
+        # One query per row (decoding): broadcast-multiply-reduce fuses into a single
+        # pass over the cache, where batched [G, H] x [H, S] dots are tiny and slow on CPU.
+        qf = qg[:, 0, :, :, :, None].astype(jnp.float32)  # [B, K, G, H, 1]
+        scores = jnp.sum(qf * k_t[:, :, None].astype(jnp.float32), axis=-2)  # [B, K, G, S]
+        scores = scores[:, :, :, None, :]  # [B, K, G, L=1, S]
+    else:
+        # Upcast instead of preferred_element_type: XLA:CPU has no bf16 x bf16 -> f32 dot.
+        qf, kf = qg.astype(jnp.float32), k_t.astype(jnp.float32)
+        scores = jnp.einsum("blkgh,bkhs->bkgls", qf, kf)
+    scores = scores * (h**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if length == 1:
+        p = probs[:, :, :, 0, :, None]  # [B, K, G, S, 1]
+        out = jnp.sum(p * v[:, :, None].astype(jnp.float32), axis=3)  # [B, K, G, H]
+        out = out[:, None].astype(q.dtype)  # [B, 1, K, G, H]
+    else:
+        out = jnp.einsum("bkgls,bksh->blkgh", probs.astype(v.dtype), v)
+    return out.reshape(b, length, n, h)
+
+
+def _dense(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
+    """x [..., *in] @ w [*in, *out], flattened to one 2-D matmul (reshapes are free).
+
+    n_in: number of trailing dims of x (leading dims of w) that are contracted.
+    """
+    in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
+    lead = x.shape[: x.ndim - n_in]
+    x2 = x.reshape(-1, math.prod(in_shape))
+    y = x2 @ w.reshape(math.prod(in_shape), -1).astype(x.dtype)
+    return y.reshape(*lead, *out_shape)
+
+
+def _mlp(x: jax.Array, lp: Params, config: ModelConfig) -> jax.Array:
+    """Gated MLP: (act(x W_gate) * (x W_up)) W_down; x [B, L, D] -> [B, L, D]."""
+    if "gate_up" in lp:  # fused by split_layers(fuse=True)
+        gate, up = jnp.split(_dense(x, lp["gate_up"], 1), 2, axis=-1)
+    else:
+        gate = _dense(x, lp["gate"], 1)
+        up = _dense(x, lp["up"], 1)
+    if config.activation == "swiglu":
+        act = jax.nn.silu(gate)
+    else:  # geglu, with the tanh approximation used by Gemma
+        act = jax.nn.gelu(gate, approximate=True)
+    hidden = with_logical_constraint(act * up, ("batch", "length", "mlp"))
+    return _dense(hidden, lp["down"], 1)
+
+
+def _block(
+    x: jax.Array,
+    lp: Params,
+    config: ModelConfig,
+    sin: jax.Array,
+    cos: jax.Array,
+    mask: jax.Array,
+    kv: tuple[jax.Array, jax.Array] | None,
+    cache_index: jax.Array | None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). x: [B, L, D].
+
+    With kv = (k, v) cache buffers [B, K, S, H], this call's keys/values are written to
+    slots [cache_index, cache_index + L) and attention reads the updated buffers (that
+    order lets XLA update them in place; reading the old buffer first forces a copy).
+    """
+    dt = x.dtype
+    y = rms_norm(x, lp["attn_norm"], config)
+    n, nkv, hd = config.n_heads, config.n_kv_heads, config.head_dim
+    if "qkv" in lp:  # fused by split_layers(fuse=True)
+        qkv = _dense(y, lp["qkv"], 1)  # [B, L, (N + 2K) H]
+        if config.qkv_bias:
+            qkv = qkv + lp["qkv_bias"].astype(dt)
+        qkv = qkv.reshape(*qkv.shape[:2], n + 2 * nkv, hd)
+        q, k, v = qkv[:, :, :n], qkv[:, :, n : n + nkv], qkv[:, :, n + nkv :]
+    else:
+        q = _dense(y, lp["q"], 1)  # [B, L, N, H]
+        k = _dense(y, lp["k"], 1)  # [B, L, K, H]
+        v = _dense(y, lp["v"], 1)
+        if config.qkv_bias:
+            q = q + lp["q_bias"].astype(dt)
+            k = k + lp["k_bias"].astype(dt)
+            v = v + lp["v_bias"].astype(dt)
+    q = apply_rope(q, sin, cos)
+    k = apply_rope(k, sin, cos).transpose(0, 2, 3, 1)  # [B, K, H, L]
+    v = v.swapaxes(1, 2)  # [B, K, L, H]
+    if kv is None:
+        k_all, v_all = k, v
+    else:
+        ck, cv = kv
+        ck = lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, cache_index))
+        cv = lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, cache_index, 0))
+        kv = (ck, cv)
+        k_all, v_all = ck, cv
+    attn = attention(q, k_all, v_all, mask)
+    x = x + _dense(attn, lp["o"], 2)
+    x = with_logical_constraint(x, ("batch", "length", "embed"))
+    x = x + _mlp(rms_norm(x, lp["mlp_norm"], config), lp, config)
+    x = with_logical_constraint(x, ("batch", "length", "embed"))
+    return x, kv
+
+
+def _attention_mask(
+    attention_mask: jax.Array, length: int, cache_index: jax.Array | None
+) -> jax.Array:
+    """[B, L, S] bool: causal (key slot <= query slot) and key valid (attention_mask)."""
+    s = attention_mask.shape[1]
+    offset = 0 if cache_index is None else cache_index
+    q_slot = offset + jnp.arange(length)
+    causal = q_slot[:, None] >= jnp.arange(s)[None, :]  # [L, S]
+    return causal[None] & attention_mask.astype(bool)[:, None, :]
+
+
+def hidden_states(
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    attention_mask: jax.Array,
+    cache: KVCache | None = None,
+    cache_index: jax.Array | int | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+    """The transformer trunk: final-normed hidden states [B, L, D] and the updated cache.
+
+    Same arguments as `forward`; the unembedding is left to the caller so it can be
+    applied to a few positions only (sampler) or in chunks (`token_logps`).
+    Without a cache the layers run under `lax.scan` over the stacked params (compact
+    program, used for training); with a cache they are unrolled (decoding: no per-step
+    slicing of weights or cache buffers); `params` may then come from `split_layers`.
+    """
+    dt = config.jnp_dtype
+    x = jnp.take(params["embed"], tokens, axis=0).astype(dt)  # [B, L, D]
+    if config.embed_scale:
+        x = x * jnp.asarray(config.d_model**0.5, dt)
+    x = with_logical_constraint(x, ("batch", "length", "embed"))
+    sin, cos = rope_tables(positions, config)
+    if cache is not None and cache_index is None:
+        raise ValueError("forward: cache_index is required when a cache is given")
+    mask = _attention_mask(attention_mask, tokens.shape[1], None if cache is None else cache_index)
+
+    if cache is None:
+        layers = params["layers"]
+        if isinstance(layers, tuple | list):  # split params: stack back for the scan
+            layers = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+        if "qkv" in layers:
+            raise ValueError("forward: fused params (split_layers(fuse=True)) need a cache")
+
+        def body(x, lp):
+            x, _ = _block(x, lp, config, sin, cos, mask, None, None)
+            return x, None
+
+        x, _ = lax.scan(body, x, layers)
+        new_cache = None
+    else:
+        cache_index = jnp.asarray(cache_index, jnp.int32)
+        layers = split_layers(params)["layers"]
+        ks, vs = list(cache.k), list(cache.v)
+        for i, lp in enumerate(layers):
+            x, (ks[i], vs[i]) = _block(x, lp, config, sin, cos, mask, (ks[i], vs[i]), cache_index)
+        new_cache = KVCache(k=tuple(ks), v=tuple(vs))
+    return rms_norm(x, params["final_norm"], config), new_cache
+
+
+def unembed(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
+    """Logits [..., V] float32 from final hidden states h [..., D]: h @ E^T or h @ W_out."""
+    # The matmul runs in the compute dtype and is cast afterwards (as Hugging Face does):
+    # XLA:CPU has no bf16 x bf16 -> f32 dot, and upcasting a [V, D] table costs memory.
+    if config.tie_embeddings:
+        w = params["embed"].astype(h.dtype)
+        return jnp.einsum("...d,vd->...v", h, w).astype(jnp.float32)
+    w = params["unembed"].astype(h.dtype)
+    return jnp.einsum("...d,dv->...v", h, w).astype(jnp.float32)
+
+
+def forward(
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    attention_mask: jax.Array,
+    cache: KVCache | None = None,
+    cache_index: jax.Array | int | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+    """Logits of the next token at every position.
+
+    Args:
+      params: from `init_params`.
+      config: static model config.
+      tokens: [B, L] int32 token ids.
+      positions: [B, L] int32 RoPE positions (left padding: cumsum(mask) - 1).
+      attention_mask: without a cache, [B, L] bool, True at real tokens; with a cache,
+        [B, S] bool over cache slots, True at slots holding real tokens once this call's
+        tokens are written. Query i (slot cache_index + i, or i) attends to key slots
+        j <= its own slot with attention_mask[b, j].
+      cache: optional `KVCache` with S slots; this call writes slots
+        [cache_index, cache_index + L).
+      cache_index: int32 scalar, first cache slot written by this call.
+    Returns:
+      (logits [B, L, V] float32, updated cache or None).
+    """
+    h, new_cache = hidden_states(
+        params, config, tokens, positions, attention_mask, cache, cache_index
+    )
+    return unembed(params, config, h), new_cache
+
+
+# ---- log-probabilities -----------------------------------------------------------------------
+
+
+def logps_and_entropy_from_logits(
+    logits: jax.Array, targets: jax.Array, temperature: float | jax.Array = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """log softmax(logits / T)[target] and entropy of softmax(logits / T).
+
+    logits: [..., V] float32; targets: [...] int. Returns two float32 arrays [...].
+    Shared by `token_logps` and the sampler so both compute the same quantity.
+    """
+    z = logits.astype(jnp.float32) / temperature
+    logp_all = jax.nn.log_softmax(z, axis=-1)
+    logp = jnp.take_along_axis(logp_all, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp, entropy
+
+
+def token_logps_and_entropy(
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    attention_mask: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token log-probs and entropies of a sequence under softmax(logits / temperature).
+
+    Alignment: out[:, t] scores tokens[:, t + 1] given tokens[:, : t + 1], i.e.
+      logps[b, t]   = log softmax(z[b, t])[tokens[b, t + 1]],
+      entropy[b, t] = -sum_v p[b, t, v] log p[b, t, v],  p = softmax(z[b, t]),
+    with z = forward(...)[0] / temperature. Position 0 has no prediction, so both are
+    [B, L - 1]; a completion token at column c of `tokens` is scored at column c - 1.
+    Entries whose target is padding are meaningless; mask them in the loss.
+
+    The unembedding is evaluated `chunk_size` positions at a time inside a rematerialized
+    scan, so at most [B, chunk_size, V] float32 logits are alive, in the forward and the
+    backward pass. Default chunk: largest with B * chunk * V <= 2**24.
+
+    Args: as `forward` (no cache); temperature > 0.
+    Returns: (logps [B, L - 1] float32, entropy [B, L - 1] float32).
+    """
+    b, length = tokens.shape
+    h, _ = hidden_states(params, config, tokens, positions, attention_mask)
+    h = h[:, :-1]  # [B, L-1, D]: predicts tokens[:, 1:]
+    targets = tokens[:, 1:]
+    n = length - 1
+    if chunk_size is None:
+        chunk_size = max(1, _LOGITS_BUDGET // max(1, b * config.vocab_size))
+    chunk_size = max(1, min(chunk_size, n))
+    if chunk_size >= n:
+        logits = unembed(params, config, h)
+        return logps_and_entropy_from_logits(logits, targets, temperature)
+
+    num_chunks = -(-n // chunk_size)
+    pad = num_chunks * chunk_size - n
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    # [num_chunks, B, C, ...] so the scan walks over length chunks.
+    h = h.reshape(b, num_chunks, chunk_size, -1).swapaxes(0, 1)
+    targets = targets.reshape(b, num_chunks, chunk_size).swapaxes(0, 1)
+
+    @jax.checkpoint  # recompute the chunk's logits in the backward pass instead of storing
+    def chunk(h_c, t_c):
+        return logps_and_entropy_from_logits(unembed(params, config, h_c), t_c, temperature)
+
+    _, (logps, entropy) = lax.scan(lambda c, xs: (c, chunk(*xs)), None, (h, targets))
+    logps = logps.swapaxes(0, 1).reshape(b, -1)[:, :n]
+    entropy = entropy.swapaxes(0, 1).reshape(b, -1)[:, :n]
+    return logps, entropy
+
+
+def token_logps(
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    attention_mask: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    chunk_size: int | None = None,
+) -> jax.Array:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) under softmax(logits / T): [B, L - 1] float32.
+
+    See `token_logps_and_entropy` for the alignment and chunking; XLA drops the unused
+    entropy computation under jit.
+    """
+    return token_logps_and_entropy(
+        params, config, tokens, positions, attention_mask, temperature, chunk_size
+    )[0]
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """RoPE positions for a left-padded batch: cumsum(mask) - 1, clipped at 0 on padding.
+
+    mask: [B, L] bool (True at real tokens). Returns [B, L] int32.
+    """
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)

@@ -1,0 +1,260 @@
+"""The jitted policy update: log-probs, clipped loss, KL and entropy terms, accumulation.
+
+`make_train_step(...)` returns a pure `(state, batch) -> (state, metrics)`
+that the trainer wraps in `jax.jit` (with shardings and donation). One call runs
+`num_iterations` PPO epochs; each epoch shuffles the rollouts and takes one optimizer
+step per mini-batch, accumulating gradients over micro-batches with `lax.scan`. The loss
+of a mini-batch is sum(totals) / sum(denominators) over its micro-batches (see
+`losses.aggregate`), so the gradient does not depend on the micro-batch size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from jaxrl_llm import losses
+from jaxrl_llm._checks import check_choice
+from jaxrl_llm.models import ModelConfig, token_logps_and_entropy
+
+
+@struct.dataclass
+class TrainState:
+    """Everything the update changes; checkpointing it (with the data state) resumes a run."""
+
+    step: jnp.ndarray  # int32[] optimizer steps taken so far (one per mini-batch)
+    params: dict  # policy parameters
+    opt_state: optax.OptState
+    rng: jnp.ndarray  # uint32[2] raw PRNG key data, consumed by the trainer and the step
+    transform_state: tuple = ()  # state of the advantage transform chain
+
+
+@struct.dataclass
+class TrainBatch:
+    """N = P * G rollouts, each a left-padded prompt followed by its completion."""
+
+    tokens: jnp.ndarray  # int32[N, Lp + T] prompt (left-padded) then completion
+    attention_mask: jnp.ndarray  # bool[N, Lp + T] real tokens (prompt and completion)
+    loss_weights: jnp.ndarray  # float32[N, T] per completion token (sample x token weight)
+    advantages: jnp.ndarray  # float32[N]
+    old_logps: jnp.ndarray  # float32[N, T] log-probs under the sampling policy
+    ref_logps: jnp.ndarray  # float32[N, T] under the reference policy (zeros if beta = 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Static hyperparameters of the policy loss (hashable, so jit can close over it)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    ratio: str = "token"  # "token" (PPO/GRPO) or "sequence" (GSPO)
+    aggregation: str = "seq-mean-token-mean"
+    max_len: int | None = None  # for "seq-mean-token-sum-norm"; default T
+    beta: float = 0.0  # KL(pi || pi_ref) coefficient; 0 skips the reference model
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0  # entropy bonus: loss -= coef * H
+    temperature: float = 1.0  # the sampler's; logits are divided by it for logp and H
+    num_iterations: int = 1  # PPO epochs over one batch of rollouts
+    num_minibatches: int = 1  # optimizer steps per epoch
+    micro_batch_size: int = 0  # rows per gradient-accumulation step; 0 = whole mini-batch
+
+    def __post_init__(self):
+        check_choice("loss.ratio", self.ratio, losses.RATIO_LEVELS)
+        check_choice("loss.aggregation", self.aggregation, losses.AGGREGATION_MODES)
+        check_choice("loss.kl_kind", self.kl_kind, losses.KL_KINDS)
+        for name in ("num_iterations", "num_minibatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"loss.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.micro_batch_size < 0:
+            raise ValueError(f"loss.micro_batch_size: expected >= 0, got {self.micro_batch_size}")
+        if not self.temperature > 0:
+            raise ValueError(f"loss.temperature: expected > 0, got {self.temperature}")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"loss.dual_clip: expected > 1 or None, got {self.dual_clip}")
+
+    def micro_batches(self, rows: int) -> tuple[int, int]:
+        """(mini-batch rows, micro-batches per mini-batch) for a batch of `rows`."""
+        if rows % self.num_minibatches:
+            raise ValueError(
+                f"loss.num_minibatches: {self.num_minibatches} does not divide the batch "
+                f"of {rows} rollouts"
+            )
+        mini = rows // self.num_minibatches
+        micro = self.micro_batch_size or mini
+        if mini % micro:
+            raise ValueError(
+                f"loss.micro_batch_size: {micro} does not divide the mini-batch of {mini} rollouts"
+            )
+        return mini, mini // micro
+
+
+SUM_KEYS = (
+    "tokens",
+    "policy_loss",
+    "kl",
+    "entropy",
+    "ratio",
+    "clip_frac_high",
+    "clip_frac_low",
+    "dual_clip_frac",
+    "approx_kl_old",
+)
+
+
+def completion_logps(params, model: ModelConfig, batch: TrainBatch, temperature: float):
+    """Per completion token log-prob and entropy under softmax(logits / temperature).
+
+    Returns (logps float32[N, T], entropy float32[N, T]); column t scores the t-th
+    completion token, predicted from position Lp + t - 1.
+    """
+    t = batch.loss_weights.shape[-1]
+    prompt_len = batch.tokens.shape[-1] - t
+    positions = jnp.maximum(jnp.cumsum(batch.attention_mask.astype(jnp.int32), -1) - 1, 0)
+    logps, ent = token_logps_and_entropy(
+        params, model, batch.tokens, positions, batch.attention_mask, temperature
+    )  # [N, Lp + T - 1]
+    return logps[:, prompt_len - 1 :], ent[:, prompt_len - 1 :]
+
+
+def loss_terms(params, model: ModelConfig, cfg: LossConfig, batch: TrainBatch):
+    """(total, aux): the aggregated loss numerator of one micro-batch and its statistics.
+
+    Per token: :math:`\\ell_t = L^{clip}_t + \\beta\\,\\mathrm{KL}_t - c_H H_t`, aggregated
+    with `cfg.aggregation`; aux holds the numerators of the diagnostics (token sums).
+    """
+    logps, ent = completion_logps(params, model, batch, cfg.temperature)
+    w = batch.loss_weights
+    pg, aux = losses.policy_loss_with_aux(
+        logps,
+        batch.old_logps,
+        batch.advantages,
+        w,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        ratio=cfg.ratio,
+    )
+    per_token = pg
+    kl = jnp.zeros_like(pg)
+    if cfg.beta:
+        kl = losses.kl_penalty(logps, batch.ref_logps, cfg.kl_kind)
+        per_token = per_token + cfg.beta * kl
+    if cfg.entropy_coef:
+        per_token = per_token - cfg.entropy_coef * ent
+    total, _ = losses.aggregate(per_token, w, cfg.aggregation, max_len=cfg.max_len)
+    on = (w > 0).astype(jnp.float32)
+    sums = {
+        "tokens": jnp.sum(on),
+        "policy_loss": jnp.sum(pg * on),
+        "kl": jnp.sum(kl * on),
+        "entropy": jnp.sum(jax.lax.stop_gradient(ent) * on),
+        "ratio": jnp.sum(aux["ratio"] * on),
+        "clip_frac_high": jnp.sum(aux["clipped_high"] * on),
+        "clip_frac_low": jnp.sum(aux["clipped_low"] * on),
+        "dual_clip_frac": jnp.sum(aux["dual_clipped"] * on),
+        "approx_kl_old": jnp.sum(0.5 * jnp.square(logps - batch.old_logps) * on),
+    }
+    return total, sums
+
+
+def make_train_step(model: ModelConfig, cfg: LossConfig, optimizer: optax.GradientTransformation):
+    """Builds `step(state, batch) -> (state, metrics)` (pure; jit it).
+
+    Reference log-probs arrive precomputed in the batch (`TrainBatch.ref_logps`), so
+    the step never holds a second copy of the parameters.
+
+    Metrics are means over the mini-batch updates of the call: "loss", "grad_norm"
+    (before clipping), and token means of "policy_loss", "kl", "entropy", "ratio",
+    "clip_frac_high", "clip_frac_low", "dual_clip_frac", "approx_kl_old".
+    """
+
+    def minibatch_update(carry, mb: TrainBatch):
+        params, opt_state = carry
+        _, n_micro = cfg.micro_batches(cfg.num_minibatches * mb.tokens.shape[0])
+        _, denom = losses.aggregate(
+            jnp.zeros_like(mb.loss_weights), mb.loss_weights, cfg.aggregation, max_len=cfg.max_len
+        )
+        denom = jnp.maximum(denom, 1e-8)  # an all-masked mini-batch gives a zero update
+        micro = jax.tree.map(lambda x: x.reshape(n_micro, -1, *x.shape[1:]), mb)
+
+        def accumulate(acc, mic):
+            grads, sums = acc
+            (total, s), g = jax.value_and_grad(loss_terms, has_aux=True)(params, model, cfg, mic)
+            s = {**s, "loss_total": total}
+            return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s)), None
+
+        zero_sums = {k: jnp.zeros((), jnp.float32) for k in (*SUM_KEYS, "loss_total")}
+        grads0 = jax.tree.map(jnp.zeros_like, params)
+        (grads, sums), _ = jax.lax.scan(accumulate, (grads0, zero_sums), micro)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        tokens = jnp.maximum(sums.pop("tokens"), 1.0)
+        metrics = {k: v / tokens for k, v in sums.items() if k != "loss_total"}
+        metrics["loss"] = sums["loss_total"] / denom
+        metrics["grad_norm"] = grad_norm
+        return (params, opt_state), metrics
+
+    def step(state: TrainState, batch: TrainBatch):
+        rows = batch.tokens.shape[0]
+        cfg.micro_batches(rows)  # validates the divisibility at trace time
+        rng, perm_key = jax.random.split(jax.random.wrap_key_data(state.rng))
+        keys = jax.random.split(perm_key, cfg.num_iterations)
+
+        def epoch(carry, key):
+            perm = jax.random.permutation(key, rows)
+            shuffled = jax.tree.map(lambda x: x[perm], batch)
+            mbs = jax.tree.map(lambda x: x.reshape(cfg.num_minibatches, -1, *x.shape[1:]), shuffled)
+            return jax.lax.scan(minibatch_update, carry, mbs)
+
+        (params, opt_state), metrics = jax.lax.scan(epoch, (state.params, state.opt_state), keys)
+        metrics = jax.tree.map(jnp.mean, metrics)
+        new_state = state.replace(
+            step=state.step + cfg.num_iterations * cfg.num_minibatches,
+            params=params,
+            opt_state=opt_state,
+            rng=jax.random.key_data(rng),
+        )
+        return new_state, metrics
+
+    return step
+
+
+def make_optimizer(
+    *,
+    learning_rate: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    schedule: str = "cosine",
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    max_grad_norm: float = 1.0,
+) -> optax.GradientTransformation:
+    """AdamW with linear warmup then cosine decay (or constant), after global-norm clipping."""
+    check_choice("optim.schedule", schedule, ("cosine", "constant"))
+    if schedule == "cosine":
+        lr = optax.warmup_cosine_decay_schedule(
+            0.0,
+            learning_rate,
+            max(warmup_steps, 1),
+            max(total_steps, warmup_steps + 1),
+            0.1 * learning_rate,
+        )
+    else:
+        lr = optax.join_schedules(
+            [
+                optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
+                optax.constant_schedule(learning_rate),
+            ],
+            [max(warmup_steps, 1)],
+        )
+    parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
+    parts.append(optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
+    return optax.chain(*parts)
