@@ -5,7 +5,7 @@ from jaxrl_llm.config import base_config
 
 def get_config():
     c = base_config()
-    t = c.sampling.max_new_tokens
+    t = c.sampling.get_ref("max_new_tokens")  # derived fields follow overrides of T
     c.rewards.names = ("correct", "overlong")
     c.rewards.kwargs.overlong = {"max_len": t, "buffer": t // 2}
     c.rl.transforms = (

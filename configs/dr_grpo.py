@@ -7,5 +7,5 @@ def get_config():
     c = base_config()
     c.rl.transforms = (("group_advantages", {"kind": "dr_grpo"}),)
     c.loss.aggregation = "seq-mean-token-sum-norm"
-    c.loss.max_len = c.sampling.max_new_tokens
+    c.loss.max_len = c.sampling.get_ref("max_new_tokens")  # follows overrides of T
     return c

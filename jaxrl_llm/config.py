@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 
 from jaxrl_llm import transforms
+from jaxrl_llm.data.templates import TEMPLATES
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards import REWARDS
 from jaxrl_llm.train_step import LossConfig
+from jaxrl_llm.types import Rollouts
 
 ASSETS = pathlib.Path(__file__).resolve().parent / "assets"
 # Estimators that compare members of a group: they need at least two per group.
@@ -164,6 +168,47 @@ def resolve_checkpoint(spec: str) -> pathlib.Path | None:
     return pathlib.Path(spec).expanduser()
 
 
+def reward_fns(c: ml_collections.ConfigDict) -> tuple:
+    """The configured reward functions, built (and so validated) from rewards.names/kwargs."""
+    if not c.rewards.names:
+        _fail("rewards.names", "at least one reward is needed")
+    for name in c.rewards.kwargs:
+        if name not in c.rewards.names:
+            _fail(f"rewards.kwargs.{name}", f"{name!r} is not in rewards.names")
+    fns = []
+    for name in c.rewards.names:
+        if name not in REWARDS:
+            _fail("rewards.names", f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
+        kwargs = dict(c.rewards.kwargs.get(name, {}))
+        try:
+            fns.append(REWARDS[name](**kwargs))
+        except (TypeError, ValueError) as e:
+            _fail(f"rewards.kwargs.{name}", str(e))
+    return tuple(fns)
+
+
+def example_rollouts(c: ml_collections.ConfigDict) -> Rollouts:
+    """Zero-valued Rollouts with the run's shapes [P, G, K] / [P, G, T]."""
+    p, g, t = c.rl.prompts_per_step, c.rl.group_size, c.sampling.max_new_tokens
+    return Rollouts.create(
+        jnp.zeros((p, g, len(c.rewards.names)), jnp.float32),
+        token_mask=jnp.ones((p, g, t), bool),
+        entropy=jnp.zeros((p, g, t), jnp.float32),
+        lengths=jnp.ones((p, g), jnp.int32),
+        truncated=jnp.zeros((p, g), bool),
+    )
+
+
+def _check_chain_shapes(c: ml_collections.ConfigDict) -> None:
+    """Traces the transform chain on abstract inputs (no compilation) to catch shape errors."""
+    chain = transforms.from_spec([(name, dict(kw)) for name, kw in c.rl.transforms])
+    ex = example_rollouts(c)
+    try:
+        jax.eval_shape(chain.apply, ex, chain.init(ex), 0)
+    except (TypeError, ValueError) as e:
+        _fail("rl.transforms", str(e))
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
     """Raises ValueError naming the first bad key. Runs before any compilation."""
     model_config(c)
@@ -197,14 +242,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
         _fail("sampling.top_p", f"expected a value in (0, 1], got {s.top_p}")
     if not 0 <= s.top_k <= c.model.vocab_size:
         _fail("sampling.top_k", f"expected 0 <= top_k <= vocab_size, got {s.top_k}")
-    for name in c.rewards.names:
-        if name not in REWARDS:
-            _fail("rewards.names", f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
-    for name in c.rewards.kwargs:
-        if name not in c.rewards.names:
-            _fail(f"rewards.kwargs.{name}", f"{name!r} is not in rewards.names")
-    if not c.rewards.names:
-        _fail("rewards.names", "at least one reward is needed")
+    reward_fns(c)
+    _check_chain_shapes(c)
+    if c.data.template not in TEMPLATES:
+        _fail(
+            "data.template", f"unknown template {c.data.template!r}; known: {', '.join(TEMPLATES)}"
+        )
+    if c.data.eval_prompts < 1:
+        _fail("data.eval_prompts", f"expected >= 1, got {c.data.eval_prompts}")
+    if c.train.eval_temperature < 0:
+        _fail("train.eval_temperature", f"expected >= 0, got {c.train.eval_temperature}")
     if c.data.prompt_len < 2:
         _fail("data.prompt_len", f"expected >= 2, got {c.data.prompt_len}")
     t = c.train

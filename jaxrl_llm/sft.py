@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxrl_llm import config as config_lib
@@ -143,6 +143,7 @@ flags.mark_flags_as_required(["config", "output"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)
     print(json.dumps(run_sft(_CONFIG.value, _OUTPUT.value)))
 
 

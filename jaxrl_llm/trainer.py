@@ -60,6 +60,14 @@ class Scored:
         return Scored(**out, texts=[t for p in parts for t in p.texts])
 
 
+def _source(key: str, spec: str, split: str, data_dir):
+    """`make_source`, with its errors naming the config key."""
+    try:
+        return make_source(spec, split, data_dir=data_dir)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise ValueError(f"config.{key}: {spec!r}: {e}") from None
+
+
 def load_initial_params(config: ml_collections.ConfigDict, model: ModelConfig, key):
     path = config_lib.resolve_checkpoint(config.init.checkpoint)
     like = jax.eval_shape(lambda: init_params(model, key))
@@ -86,15 +94,21 @@ class Trainer:
         self.P, self.G = config.rl.prompts_per_step, config.rl.group_size
         self.T = config.sampling.max_new_tokens
         self.reward_names = tuple(config.rewards.names)
-        self.reward_kwargs = {k: dict(v) for k, v in config.rewards.kwargs.items()}
+        self.reward_fns = config_lib.reward_fns(config)
         spec = [(name, dict(kwargs)) for name, kwargs in config.rl.transforms]
         self.chain = transforms.from_spec(spec)
+        combine = [kw for name, kw in spec if name == "combine_rewards"]
+        weights = combine[0].get("weights") if combine else None
+        self.reward_weights = (
+            np.ones(len(self.reward_names)) if weights is None else np.asarray(weights)
+        )
+        self.decoupled = bool(combine and combine[0].get("decoupled", False))
         self.needs_entropy = any(
             name == "keep_top_tokens" and kw.get("score", "adv_x_entropy") != "abs_adv"
             for name, kw in spec
         )
         data_dir = config.data.data_dir or None
-        source = make_source(config.data.source, "train", data_dir=data_dir)
+        source = _source("data.source", config.data.source, "train", data_dir)
         self.pipeline = make_pipeline(
             source,
             self.tokenizer,
@@ -106,7 +120,8 @@ class Trainer:
             shard_count=jax.process_count(),
         )
         eval_spec = config.data.eval_source or config.data.source
-        eval_source = make_source(eval_spec, "test", data_dir=data_dir)
+        key = "data.eval_source" if config.data.eval_source else "data.source"
+        eval_source = _source(key, eval_spec, "test", data_dir)
         n_eval = min(config.data.eval_prompts, len(eval_source))
         self.eval_batch = next(
             iter(
@@ -169,14 +184,9 @@ class Trainer:
     def init_state(self) -> tuple[TrainState, Any]:
         key = jax.random.key(self.config.seed)
         params = load_initial_params(self.config, self.model, jax.random.fold_in(key, 1))
-        ref_params = params if self.loss_cfg.beta else None
-        example = Rollouts.create(
-            jnp.zeros((self.P, self.G, len(self.reward_names)), jnp.float32),
-            token_mask=jnp.ones((self.P, self.G, self.T), bool),
-            entropy=jnp.zeros((self.P, self.G, self.T), jnp.float32),
-            lengths=jnp.ones((self.P, self.G), jnp.int32),
-            truncated=jnp.zeros((self.P, self.G), bool),
-        )
+        # A copy: the update donates state.params, which would delete shared buffers.
+        ref_params = jax.tree.map(jnp.copy, params) if self.loss_cfg.beta else None
+        example = config_lib.example_rollouts(self.config)
         state = TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -186,26 +196,21 @@ class Trainer:
         )
         return state, ref_params
 
-    def sample_and_score(self, params, batch, key) -> Scored:
+    def sample_and_score(self, params, batch, key, timer) -> Scored:
         """Samples G completions for each of the P prompts and scores them."""
         g = self.G
         prompts = np.repeat(np.asarray(batch.tokens), g, axis=0)  # [P * G, Lp] group-major
         mask = np.repeat(np.asarray(batch.mask), g, axis=0)
-        ro = jax.device_get(self.sample_fn(params, prompts, mask, key))
+        with timer("sample"):
+            ro = jax.device_get(self.sample_fn(params, prompts, mask, key))
         texts = [
             self.tokenizer.decode(ro.tokens[i, : ro.lengths[i]].tolist())
             for i in range(len(prompts))
         ]
         answers = [a for a in batch.answers for _ in range(g)]
         meta = [m for m in batch.metadata for _ in range(g)]
-        r = rewards.score(
-            self.reward_names,
-            texts,
-            ro.lengths,
-            answers,
-            meta,
-            reward_kwargs=self.reward_kwargs,
-        )  # [N, K]
+        with timer("score"):
+            r = rewards.score(self.reward_fns, texts, ro.lengths, answers, meta)  # [N, K]
         return Scored(
             prompt_tokens=prompts,
             prompt_mask=mask,
@@ -218,10 +223,10 @@ class Trainer:
             texts=texts,
         )
 
-    def collect(self, params, data_iter, step: int) -> tuple[Scored, dict]:
+    def collect(self, params, data_iter, step: int, timer) -> tuple[Scored, dict]:
         """One batch of P groups; with dynamic sampling, refills zero-variance groups."""
         key = jax.random.fold_in(jax.random.key(self.config.seed), step)
-        scored = self.sample_and_score(params, next(data_iter), jax.random.fold_in(key, 0))
+        scored = self.sample_and_score(params, next(data_iter), jax.random.fold_in(key, 0), timer)
         info = {}
         rounds = self.config.rl.dynamic_sampling_rounds
         if rounds:
@@ -231,7 +236,7 @@ class Trainer:
             while have < self.P and used < rounds:
                 used += 1
                 extra = self.sample_and_score(
-                    params, next(data_iter), jax.random.fold_in(key, used)
+                    params, next(data_iter), jax.random.fold_in(key, used), timer
                 )
                 good = np.flatnonzero(self._informative(extra))
                 kept.append(extra.select(good, self.G))
@@ -247,9 +252,17 @@ class Trainer:
         return scored, info
 
     def _informative(self, scored: Scored) -> np.ndarray:
-        total = np.nansum(scored.rewards, axis=-1)
-        valid = ~np.isnan(scored.rewards).any(-1)
-        return np.asarray(downsample.informative_groups(jnp.asarray(total), jnp.asarray(valid)))
+        """bool[P]: groups whose combined reward varies (any reward varies, if decoupled)."""
+        r = scored.rewards  # [P, G, K]
+        valid = jnp.asarray(~np.isnan(r).any(-1))
+        if self.decoupled:
+            cols = [
+                downsample.informative_groups(jnp.asarray(r[..., k]), valid)
+                for k in range(r.shape[-1])
+            ]
+            return np.asarray(jnp.any(jnp.stack(cols), axis=0))
+        total = np.einsum("pgk,k->pg", np.nan_to_num(r), self.reward_weights)
+        return np.asarray(downsample.informative_groups(jnp.asarray(total), valid))
 
     def build_batch(self, state, ref_params, scored: Scored):
         """Transform chain + reference / entropy passes -> (TrainBatch, Rollouts, state)."""
@@ -360,8 +373,7 @@ class Trainer:
         for step in range(start, c.train.steps):
             timer = metrics.StageTimer()
             t0 = time.perf_counter()
-            with timer("sample"):
-                scored, info = self.collect(state.params, data_iter, step)
+            scored, info = self.collect(state.params, data_iter, step, timer)
             with timer("prepare"):
                 batch, ro, state = self.build_batch(state, ref_params, scored)
                 jax.block_until_ready(batch)
