@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(PY) -m jaxrl_llm.demo
+	$(PY) -m jaxrl_llm.train --config configs/quickstart.py --workdir runs/quickstart $(ARGS)
+	$(PY) scripts/plot_metrics.py runs/quickstart --out runs/quickstart/curve.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)

@@ -7,6 +7,7 @@ prompts (grain) -> sampler (jit) -> rewards (host) -> transform chain (jit) -> t
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -362,6 +363,7 @@ class Trainer:
             state, data_state, _ = ckpt.restore(target_state=state)
             data_iter.set_state(data_state)
             start = int(ckpt.latest_step())
+            print(f"resuming {self.workdir} from step {start}", file=sys.stderr)
             if ref_params is not None:  # the reference is the initial policy, reloaded
                 ref_params = self.init_state()[1]
         writer = metrics.MetricsWriter(self.workdir)
