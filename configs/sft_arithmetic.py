@@ -1,4 +1,4 @@
-"""Supervised warm start of the quickstart's base policy on up-to-3-digit addition.
+"""Supervised warm start of the quickstart's base policy on 1-2 digit addition.
 
     python -m jaxrl_llm.sft --config configs/sft_arithmetic.py \
         --output jaxrl_llm/assets/base_arithmetic.safetensors
@@ -14,6 +14,6 @@ from jaxrl_llm.config import base_config
 def get_config():
     c = base_config()  # the quickstart's model and task
     c.init.checkpoint = ""  # random init
-    c.sft.steps = 3000
+    c.sft.steps = 2400
     c.sft.carry_error_rate = 0.6
     return c

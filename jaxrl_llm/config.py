@@ -26,7 +26,7 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "median")
 
 
 def base_config() -> ml_collections.ConfigDict:
-    """All fields with their defaults (a small model on 1-2 digit addition)."""
+    """All fields with their defaults: the quickstart (GRPO on 1-2 digit addition)."""
     c = ml_collections.ConfigDict()
     c.seed = 0
 
@@ -56,7 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict(
         dict(
-            source="arithmetic/level6",  # task/level, "jsonl:PATH" or "tfds:NAME"
+            source="arithmetic/level1",  # task/level, "jsonl:PATH" or "tfds:NAME"
             eval_source="",  # "" = the test split of `source`
             prompt_len=12,  # left-padded prompt buffer (tokens, BOS included)
             template="plain",
@@ -102,7 +102,7 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.optim = ml_collections.ConfigDict(
         dict(
-            learning_rate=1e-4,
+            learning_rate=3e-4,
             warmup_steps=5,
             schedule="constant",
             weight_decay=0.0,
@@ -113,7 +113,7 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.train = ml_collections.ConfigDict(
         dict(
-            steps=100,
+            steps=200,
             eval_every=25,
             eval_samples=4,  # n samples per eval prompt for pass@k
             pass_k=4,
@@ -143,9 +143,15 @@ def _fail(key: str, message: str):
 
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
     try:
-        return ModelConfig(**c.model.to_dict())
+        model = ModelConfig(**c.model.to_dict())
     except (TypeError, ValueError) as e:
         raise ValueError(f"config.model: {e}") from None
+    if model.param_dtype != "float32":
+        # Master weights and AdamW moments stay float32; use model.dtype for bf16 compute.
+        _fail(
+            "model.param_dtype", f"training needs float32 master weights, got {model.param_dtype!r}"
+        )
+    return model
 
 
 def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
