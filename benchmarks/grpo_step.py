@@ -1,0 +1,296 @@
+"""One GRPO step end to end: sample -> score -> advantages -> update, with a stage breakdown.
+
+    python -m benchmarks.grpo_step --d-model 256 --layers 4 --heads 4 --kv-heads 2 \
+        --ffn 1024 --vocab 64 --prompts 8 --group 8 --prompt-len 8 --new-tokens 32
+
+prints one JSON line. A random-init policy of the given shape samples G completions for
+each of P random prompts (N = P * G rows, temperature 1, exactly T tokens: no EOS ids);
+each stage is its own compiled program, run and blocked on in order:
+
+- sample: `jaxrl_llm.sampler.make_generate_fn` (prefill + KV-cache decode).
+- score: a synthetic verifiable reward on device, reward = fraction of even token ids in
+  the completion (in [0, 1]; varies within a group, so GRPO advantages are non-zero).
+- advantages: `Rollouts.create` + the transform chain `chain(group_advantages("grpo"))`,
+  and the `TrainBatch` (prompt + completion, old log-probs from the sampler: the step
+  needs no extra forward pass for them).
+- update: `make_train_step` (AdamW via `make_optimizer`, the state donated), one epoch,
+  one mini-batch of --micro-batch row micro-batches, aggregation --aggregation.
+
+step_s is the median wall time of the whole step (compile excluded: every program is
+compiled ahead of time, compile_s is the sum); the stage times are medians of the same
+steps. tokens_per_s counts generated tokens (N * T) per step_s. mfu = model FLOPs per
+step / step_s / the matmul ceiling measured in the same process (`_common`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from benchmarks._common import block, emit, matmul_ceiling
+from benchmarks.sampler import model_flops as sample_flops
+from jaxrl_llm import train_step as train_step_lib
+from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.models import transformer as tf
+from jaxrl_llm.sampler import make_generate_fn
+from jaxrl_llm.train_step import (
+    LossConfig,
+    TrainBatch,
+    TrainState,
+    make_optimizer,
+    make_train_step,
+)
+from jaxrl_llm.transforms import chain, group_advantages
+from jaxrl_llm.types import Rollouts
+
+
+def step_flops(config: ModelConfig, n: int, prompt_len: int, new_tokens: int) -> dict:
+    """Model FLOPs of one step (2 per multiply-add), attention included.
+
+    sample = `benchmarks.sampler.model_flops(config, N, Lp, T)`: prefill of Lp tokens and
+      T - 1 decode tokens, each 2 x (block matmul params + D x V) plus causal attention
+      4 x layers x heads x head_dim per (query, key) pair.
+    update = 3 x forward over N x (Lp + T) tokens (forward + backward = 2 x forward); the
+      forward is the same formula with L = Lp + T prompt tokens and no decode
+      (`model_flops(config, N, L, 1)`: dense x L + attention x L (L + 1) / 2 per row).
+    Score and advantages are O(N T) and not counted.
+    """
+    sample = sample_flops(config, n, prompt_len, new_tokens)
+    update = 3.0 * sample_flops(config, n, prompt_len + new_tokens, 1)
+    return {"sample": sample, "update": update, "total": sample + update}
+
+
+def even_fraction_reward(tokens: jax.Array, mask: jax.Array) -> jax.Array:
+    """float32[N]: fraction of the completion's tokens with an even id (0 if empty)."""
+    m = mask.astype(jnp.float32)
+    even = (tokens % 2 == 0).astype(jnp.float32)
+    return jnp.sum(even * m, -1) / jnp.maximum(jnp.sum(m, -1), 1.0)
+
+
+def unrolled_token_logps_and_entropy(
+    params, config, tokens, positions, attention_mask, temperature=1.0, chunk_size=None
+):
+    """EXPERIMENTAL `models.token_logps_and_entropy` with the layer scan fully unrolled.
+
+    Same math as the package (same `_block`); only `lax.scan(..., unroll=True)`, so the
+    backward pass keeps each layer's residuals as separate buffers instead of zero-filling
+    and dynamic-update-slicing stacked [layers, N, L, F] arrays (the biggest non-matmul
+    cost in the profile of the package step). No logits chunking (fine for small V).
+    """
+    x = jnp.take(params["embed"], tokens, axis=0).astype(config.jnp_dtype)
+    if config.embed_scale:
+        x = x * jnp.asarray(config.d_model**0.5, x.dtype)
+    sin, cos = tf.rope_tables(positions, config)
+    mask = tf._attention_mask(attention_mask, tokens.shape[1], None)
+
+    def body(x, lp):
+        return tf._block(x, lp, config, sin, cos, mask, None, None)[0], None
+
+    x, _ = lax.scan(body, x, params["layers"], unroll=True)
+    h = tf.rms_norm(x, params["final_norm"], config)[:, :-1]
+    logits = tf.unembed(params, config, h)
+    return tf.logps_and_entropy_from_logits(logits, tokens[:, 1:], temperature)
+
+
+def build_programs(args: argparse.Namespace, config: ModelConfig):
+    """(state, inputs, {stage: compiled}, compile_s) for the configured step."""
+    p, g, lp, t = args.prompts, args.group, args.prompt_len, args.new_tokens
+    n = p * g
+    params = init_params(config, jax.random.key(0))
+    kp, key = jax.random.split(jax.random.key(1))
+    prompts = jnp.repeat(jax.random.randint(kp, (p, lp), 0, config.vocab_size), g, axis=0)
+    prompt_mask = jnp.ones((n, lp), bool)
+
+    generate = make_generate_fn(
+        config, max_new_tokens=t, temperature=1.0, kv_buckets=args.kv_buckets
+    )
+    estimator = chain(group_advantages("grpo"))
+    loss_cfg = LossConfig(aggregation=args.aggregation, micro_batch_size=args.micro_batch)
+    optimizer = make_optimizer(
+        learning_rate=1e-5, total_steps=1000, warmup_steps=10, weight_decay=0.01
+    )
+    step_fn = make_train_step(config, loss_cfg, optimizer)
+
+    def score(rollout):
+        return even_fraction_reward(rollout.tokens, rollout.completion_mask)
+
+    def advantages(rollout, rewards, transform_state, step):
+        ro = Rollouts.create(
+            rewards.reshape(p, g),
+            token_mask=rollout.completion_mask.reshape(p, g, t),
+            lengths=rollout.lengths.reshape(p, g),
+            truncated=rollout.truncated.reshape(p, g),
+        )
+        ro, transform_state = estimator.apply(ro, transform_state, step)
+        mask = rollout.completion_mask
+        batch = TrainBatch(
+            tokens=jnp.concatenate([prompts, rollout.tokens], 1),
+            attention_mask=jnp.concatenate([prompt_mask, mask], 1),
+            loss_weights=ro.loss_weights().reshape(n, t),
+            advantages=ro.advantages.reshape(n),
+            old_logps=jnp.where(mask, rollout.logps, 0.0),
+            ref_logps=jnp.zeros((n, t), jnp.float32),
+        )
+        return batch, transform_state
+
+    example = Rollouts.create(jnp.zeros((p, g)), token_mask=jnp.ones((p, g, t), bool))
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        rng=jax.random.key_data(jax.random.key(2)),
+        transform_state=estimator.init(example),
+    )
+
+    t0 = time.perf_counter()
+    compiled = {"sample": jax.jit(generate).lower(params, prompts, prompt_mask, key).compile()}
+    rollout = jax.eval_shape(generate, params, prompts, prompt_mask, key)
+    compiled["score"] = jax.jit(score).lower(rollout).compile()
+    rewards = jax.eval_shape(score, rollout)
+    args_adv = (rollout, rewards, state.transform_state, state.step)
+    compiled["advantages"] = jax.jit(advantages).lower(*args_adv).compile()
+    batch = jax.eval_shape(advantages, *args_adv)[0]
+    patch = contextlib.nullcontext()
+    if args.train_variant == "unrolled":  # experimental, see unrolled_token_logps_and_entropy
+        fn = unrolled_token_logps_and_entropy
+        patch = mock.patch.object(train_step_lib, "token_logps_and_entropy", fn)
+    with patch:  # only tracing (inside compile) sees the variant
+        update = jax.jit(step_fn, donate_argnums=0).lower(state, batch).compile()
+    compiled["update"] = update
+    compile_s = time.perf_counter() - t0
+    return state, (prompts, prompt_mask, key), compiled, compile_s
+
+
+def run_step(state, inputs, programs, i: int) -> tuple:
+    """One GRPO step, blocking after each stage; returns (state, metrics, {stage: s})."""
+    prompts, prompt_mask, key = inputs
+    c0, t0 = os.times(), time.perf_counter()
+    rollout = block(
+        programs["sample"](state.params, prompts, prompt_mask, jax.random.fold_in(key, i))
+    )
+    t1 = time.perf_counter()
+    rewards = block(programs["score"](rollout))
+    t2 = time.perf_counter()
+    batch, transform_state = block(
+        programs["advantages"](rollout, rewards, state.transform_state, state.step)
+    )
+    t3 = time.perf_counter()
+    state, metrics = block(
+        programs["update"](state.replace(transform_state=transform_state), batch)
+    )
+    t4, c4 = time.perf_counter(), os.times()
+    times = {"sample_s": t1 - t0, "score_s": t2 - t1, "advantages_s": t3 - t2, "update_s": t4 - t3}
+    times["step_s"] = t4 - t0
+    # Process CPU seconds (all threads): a contention-robust companion of the wall time.
+    times["step_cpu_s"] = c4.user + c4.system - c0.user - c0.system
+    return state, metrics, times
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=None, help="default d_model / heads")
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=8, help="P prompts per step")
+    p.add_argument("--group", type=int, default=8, help="G completions per prompt")
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--kv-buckets", type=int, default=4)
+    p.add_argument(
+        "--aggregation", default="token-mean", choices=["token-mean", "seq-mean-token-mean"]
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=0,
+        help="rows per gradient-accumulation micro-batch (0 = all N); does not change the gradient",
+    )
+    p.add_argument(
+        "--train-variant",
+        default="package",
+        choices=["package", "unrolled"],
+        help="'unrolled': EXPERIMENTAL local log-prob forward with the layer scan unrolled",
+    )
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype"
+    )
+    p.add_argument("--steps", type=int, default=7, help="timed steps (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+
+    config = ModelConfig(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        head_dim=args.head_dim or args.d_model // args.heads,
+        ffn_dim=args.ffn,
+        tie_embeddings=True,
+        # float32 master weights always (AdamW state and updates stay float32);
+        # --dtype is the compute dtype of activations and matmuls.
+        param_dtype="float32",
+        dtype=args.dtype,
+    )
+    state, inputs, programs, compile_s = build_programs(args, config)
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    for i in range(args.warmup):
+        state, _, _ = run_step(state, inputs, programs, i)
+    records, ceilings = [], []
+    for i in range(args.steps):
+        state, metrics, times = run_step(state, inputs, programs, args.warmup + i)
+        records.append(times)
+        # Interleaved with the steps so a shared machine's load drift hits both alike.
+        ceilings.append(matmul_ceiling(config.jnp_dtype, repeats=3))
+    ceiling = statistics.median(ceilings)
+
+    med = {k: statistics.median(r[k] for r in records) for k in records[0]}
+    n = args.prompts * args.group
+    flops = step_flops(config, n, args.prompt_len, args.new_tokens)
+    emit(
+        {
+            "benchmark": "grpo_step",
+            "step_s": med["step_s"],
+            "stages": {
+                k: round(med[k], 4) for k in ("sample_s", "score_s", "advantages_s", "update_s")
+            },
+            "compile_s": compile_s,
+            "params": n_params,
+            "tokens_per_s": n * args.new_tokens / med["step_s"],
+            "model_gflops": flops["total"] / 1e9,
+            "mfu": flops["total"] / med["step_s"] / ceiling,
+            "mfu_sample": flops["sample"] / med["sample_s"] / ceiling,
+            "mfu_update": flops["update"] / med["update_s"] / ceiling,
+            "ceiling_gflops_per_s": ceiling / 1e9,
+            "step_min_s": min(r["step_s"] for r in records),
+            "step_cpu_s": med["step_cpu_s"],
+            "loss": float(metrics["loss"]),
+            "rows": n,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "aggregation": args.aggregation,
+            "micro_batch": args.micro_batch,
+            "train_variant": args.train_variant,
+            "dtype": config.dtype,
+            "backend": jax.default_backend(),
+            "devices": jax.device_count(),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
