@@ -7,6 +7,7 @@ datasheet peak (CPUs rarely publish a usable one).
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -15,6 +16,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from jaxrl_llm.models import ModelConfig
 
 
 def block(tree: Any) -> Any:
@@ -69,3 +72,30 @@ def emit(record: dict[str, Any]) -> None:
         return v
 
     print(json.dumps({k: fmt(v) for k, v in record.items()}), flush=True)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model-shape flags shared by every benchmark (defaults: the issues' shape)."""
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=None, help="default d_model / heads")
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=64)
+
+
+def model_from_args(args: argparse.Namespace, *, dtype: str, param_dtype: str) -> ModelConfig:
+    """The ModelConfig described by `add_model_args` flags."""
+    return ModelConfig(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        head_dim=args.head_dim or args.d_model // args.heads,
+        ffn_dim=args.ffn,
+        tie_embeddings=True,
+        param_dtype=param_dtype,
+        dtype=dtype,
+    )

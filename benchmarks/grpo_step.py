@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks._common import block, emit, matmul_ceiling
+from benchmarks._common import add_model_args, block, emit, matmul_ceiling, model_from_args
 from benchmarks.sampler import model_flops as sample_flops
 from jaxrl_llm import train_step as train_step_lib
 from jaxrl_llm.models import ModelConfig, init_params
@@ -196,13 +196,7 @@ def run_step(state, inputs, programs, i: int) -> tuple:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=None, help="default d_model / heads")
-    p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=64)
+    add_model_args(p)
     p.add_argument("--prompts", type=int, default=8, help="P prompts per step")
     p.add_argument("--group", type=int, default=8, help="G completions per prompt")
     p.add_argument("--prompt-len", type=int, default=8)
@@ -232,20 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
 
-    config = ModelConfig(
-        vocab_size=args.vocab,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        head_dim=args.head_dim or args.d_model // args.heads,
-        ffn_dim=args.ffn,
-        tie_embeddings=True,
-        # float32 master weights always (AdamW state and updates stay float32);
-        # --dtype is the compute dtype of activations and matmuls.
-        param_dtype="float32",
-        dtype=args.dtype,
-    )
+    # float32 master weights always (AdamW state and updates stay float32);
+    # --dtype is the compute dtype of activations and matmuls.
+    config = model_from_args(args, dtype=args.dtype, param_dtype="float32")
     state, inputs, programs, compile_s = build_programs(args, config)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     for i in range(args.warmup):

@@ -16,7 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks._common import emit, matmul_ceiling, time_call
+from benchmarks._common import add_model_args, emit, matmul_ceiling, model_from_args, time_call
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.sampler import make_generate_fn
 
@@ -80,13 +80,7 @@ def run(args: argparse.Namespace, config: ModelConfig, batch: int, ceiling: floa
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=None, help="default d_model / heads")
-    p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=64)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--batch-sweep", type=str, default="", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=8)
@@ -99,18 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args(argv)
 
-    config = ModelConfig(
-        vocab_size=args.vocab,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        head_dim=args.head_dim or args.d_model // args.heads,
-        ffn_dim=args.ffn,
-        tie_embeddings=True,
-        param_dtype=args.dtype,
-        dtype=args.dtype,
-    )
+    config = model_from_args(args, dtype=args.dtype, param_dtype=args.dtype)
     ceiling = matmul_ceiling(config.jnp_dtype)
     batches = [int(b) for b in args.batch_sweep.split(",") if b] or [args.batch]
     for batch in batches:

@@ -1,7 +1,6 @@
 """Config validation: unknown keys, bad values and inconsistent sizes fail before any
 compilation, with the offending key named in the message."""
 
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -12,24 +11,10 @@ import pytest
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import trainer
 from jaxrl_llm.rewards import REWARDS
+from tests.conftest import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.py"))
-
-
-def load_config(name: str):
-    spec = importlib.util.spec_from_file_location(
-        f"configs.{name}", ROOT / "configs" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    # A config that slips past validation builds its dataset here, never in ~.
-    return str(tmp_path_factory.mktemp("tfds"))
 
 
 @pytest.fixture

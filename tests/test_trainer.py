@@ -5,7 +5,6 @@ a module-wide persistent compilation cache lets runs of equal shapes reuse execu
 keeps the whole file within a few minutes on a 2-core CPU.
 """
 
-import importlib.util
 import math
 import pathlib
 
@@ -17,6 +16,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import metrics, sft, trainer
 from jaxrl_llm.models import init_params
+from tests.conftest import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RL_CONFIGS = ("quickstart", "grpo", "dr_grpo", "rloo", "mc_grpo", "gdpo", "d3s", "dapo")
@@ -53,21 +53,6 @@ def shared_compilation_cache(tmp_path_factory):
     for name, value in old.items():
         jax.config.update(name, value)
     compilation_cache.reset_cache()
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """One TFDS dir for the module: the task datasets are built once, never in ~."""
-    return str(tmp_path_factory.mktemp("tfds"))
-
-
-def load_config(name: str):
-    spec = importlib.util.spec_from_file_location(
-        f"configs.{name}", ROOT / "configs" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 def shrink(config, data_dir: str, *, steps: int = 2):

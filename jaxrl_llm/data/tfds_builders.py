@@ -152,22 +152,12 @@ def task_builder(
     return cls(config=config, data_dir=data_dir or default_data_dir(), file_format="array_record")
 
 
-def build_task_dataset(
-    task: str,
-    difficulty: int = 1,
-    *,
-    data_dir: str | None = None,
-    num_train: int | None = None,
-    num_test: int | None = None,
-    seed: int = 0,
-) -> tfds.core.DatasetBuilder:
+def build_task_dataset(task: str, difficulty: int = 1, **kwargs) -> tfds.core.DatasetBuilder:
     """Builds (once; later calls reuse the files) and returns the builder for a task level.
 
-    Read the splits with ``builder.as_data_source()`` or
+    Arguments as `task_builder`. Read the splits with ``builder.as_data_source()`` or
     ``tfds.data_source(builder.info.full_name.rsplit("/", 1)[0], data_dir=...)``.
     """
-    builder = task_builder(
-        task, difficulty, data_dir=data_dir, num_train=num_train, num_test=num_test, seed=seed
-    )
+    builder = task_builder(task, difficulty, **kwargs)
     builder.download_and_prepare(file_format="array_record")
     return builder

@@ -1,0 +1,1 @@
+"""Test suite (a package, so tests can share helpers from tests/conftest.py)."""
