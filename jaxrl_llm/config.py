@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxrl_llm import transforms
+from jaxrl_llm.data.tasks import SPLITS
 from jaxrl_llm.data.templates import TEMPLATES
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards import REWARDS
@@ -57,6 +58,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict(
         dict(
             source="arithmetic/level1",  # task/level, "jsonl:PATH" or "tfds:NAME"
+            # The split RL samples prompts from. Built-in tasks: "rl", the half of the train
+            # problems the SFT warm start never saw ("train" = all); JSONL / TFDS: usually
+            # "train".
+            train_split="rl",
             eval_source="",  # "" = the test split of `source`
             prompt_len=12,  # left-padded prompt buffer (tokens, BOS included)
             template="plain",
@@ -113,7 +118,7 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.train = ml_collections.ConfigDict(
         dict(
-            steps=200,
+            steps=300,
             eval_every=25,
             eval_samples=4,  # n samples per eval prompt for pass@k
             pass_k=4,
@@ -132,6 +137,7 @@ def base_config() -> ml_collections.ConfigDict:
             warmup_steps=20,
             weight_decay=0.0,
             carry_error_rate=0.0,  # share of carrying additions written with the carry dropped
+            split="sft",  # the task split the demonstrations come from
         )
     )
     return c
@@ -250,6 +256,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
         _fail("sampling.top_k", f"expected 0 <= top_k <= vocab_size, got {s.top_k}")
     reward_fns(c)
     _check_chain_shapes(c)
+    builtin = ":" not in c.data.source and not c.data.source.endswith(".jsonl")
+    if builtin and c.data.train_split not in SPLITS:
+        _fail(
+            "data.train_split", f"unknown split {c.data.train_split!r}; known: {', '.join(SPLITS)}"
+        )
     if c.data.template not in TEMPLATES:
         _fail(
             "data.template", f"unknown template {c.data.template!r}; known: {', '.join(TEMPLATES)}"

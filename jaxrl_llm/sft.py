@@ -44,9 +44,15 @@ def no_carry_sum(a: int, b: int) -> int:
 
 
 def sft_records(config: ml_collections.ConfigDict, num_examples: int) -> list[dict]:
-    """Training demonstrations from the task generator (train split), optionally noisy."""
+    """Demonstrations from the task generator, optionally noisy.
+
+    Draws `num_examples` train-split problems and keeps those in `sft.split` ("sft": the
+    half RL never trains on, `tasks.part_of`; "train": all), so about half are kept for
+    "sft"; the pipeline cycles over them.
+    """
     task, _, level = config.data.source.partition("/")
     difficulty = int(level.removeprefix("level") or 1)
+    canonical_key = tasks.get_task(task).canonical_key
     rng = np.random.default_rng(config.seed)
     q = config.sft.carry_error_rate
     out = []
@@ -57,6 +63,8 @@ def sft_records(config: ml_collections.ConfigDict, num_examples: int) -> list[di
         if q and "+" in ex["prompt"] and rng.random() < q:
             a, b = (int(x) for x in ex["prompt"].rstrip("=").split("+"))
             answer = str(no_carry_sum(a, b))
+        if config.sft.split != "train" and tasks.part_of(canonical_key(ex)) != config.sft.split:
+            continue
         metadata = {k: v for k, v in ex.items() if k not in ("prompt", "answer")}
         out.append(
             {"prompt": ex["prompt"], "answer": answer, "metadata": {"task": task, **metadata}}
@@ -97,7 +105,7 @@ def run_sft(config: ml_collections.ConfigDict, output: str, log=print) -> dict:
     s = config.sft
     data = iter(
         make_pipeline(
-            sft_records(config, s.steps * s.batch_size),
+            sft_records(config, 2 * s.steps * s.batch_size),
             tok,
             batch_size=s.batch_size,
             prompt_len=config.data.prompt_len,

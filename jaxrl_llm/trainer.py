@@ -109,7 +109,7 @@ class Trainer:
             for name, kw in spec
         )
         data_dir = config.data.data_dir or None
-        source = _source("data.source", config.data.source, "train", data_dir)
+        source = _source("data.source", config.data.source, config.data.train_split, data_dir)
         self.pipeline = make_pipeline(
             source,
             self.tokenizer,

@@ -242,3 +242,9 @@ def test_cli_rejects_bad_overrides(tmp_path, override, key):
     assert proc.returncode != 0, proc.stdout
     assert key in proc.stderr, proc.stderr[-2000:]
     assert not (workdir / "metrics.jsonl").exists()
+
+
+def test_unknown_train_split_names_the_key(base):
+    base.data.train_split = "validation"
+    with pytest.raises(ValueError, match=r"config\.data\.train_split: unknown split 'validation'"):
+        config_lib.validate(base)

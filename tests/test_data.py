@@ -329,3 +329,21 @@ def test_record_source_is_random_access(countdown_source):
     rng = random.Random(0)
     for i in rng.sample(range(len(countdown_source)), 5):
         assert countdown_source[i] == countdown_source[i]
+
+
+def test_sft_and_rl_halves_partition_the_train_problems():
+    """RL trains on problems the SFT warm start never saw; neither touches the test split."""
+    task = tasks.get_task("arithmetic")
+    keys = {
+        split: {
+            task.canonical_key(e)
+            for e in tasks.generate("arithmetic", split=split, num_examples=900, difficulty=1)
+        }
+        for split in ("sft", "rl", "test")
+    }
+    assert keys["sft"] and keys["rl"]
+    assert not keys["sft"] & keys["rl"]
+    assert not (keys["sft"] | keys["rl"]) & keys["test"]
+    for key in keys["sft"] | keys["rl"]:
+        assert tasks.split_of(key) == "train"
+    assert {tasks.part_of(k) for k in keys["sft"]} == {"sft"}

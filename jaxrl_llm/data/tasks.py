@@ -20,7 +20,10 @@ from typing import Any
 
 Example = dict[str, Any]
 
-SPLITS = ("train", "test")
+# "train" is split once more, by problem, into the part the supervised warm start learns
+# from ("sft") and the part RL trains on ("rl"): RL then improves the policy on problems
+# it has never been shown answers to, as it would be on the held-out "test" problems.
+SPLITS = ("train", "test", "sft", "rl")
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,6 +225,19 @@ def split_of(key: str, test_fraction: float = 0.2) -> str:
     return "test" if bucket % 10_000 < round(test_fraction * 10_000) else "train"
 
 
+def part_of(key: str) -> str:
+    """``"sft"`` or ``"rl"``: a stable half of the train problems each (salted content hash)."""
+    digest = hashlib.blake2b(f"{key}|sft".encode(), digest_size=8).digest()
+    return "sft" if int.from_bytes(digest, "little") % 2 == 0 else "rl"
+
+
+def _in_split(key: str, split: str, test_fraction: float) -> bool:
+    coarse = split_of(key, test_fraction)
+    if split in ("train", "test"):
+        return coarse == split
+    return coarse == "train" and part_of(key) == split
+
+
 def generate(
     task: str,
     *,
@@ -236,7 +252,8 @@ def generate(
 
     Args:
       task: a key of `TASKS`.
-      split: ``"train"`` or ``"test"``; see `split_of` for why the two never share a problem.
+      split: ``"train"`` or ``"test"`` (see `split_of` for why the two never share a
+        problem), or a half of train: ``"sft"`` or ``"rl"`` (see `part_of`).
       num_examples: how many examples to yield.
       difficulty: a level of the task (``TASKS[task].levels``).
       seed: the examples are a pure function of (task, split, difficulty, seed).
@@ -268,7 +285,7 @@ def generate(
     while produced < num_examples:
         example = spec.make_example(rng, difficulty)
         key = spec.canonical_key(example)
-        if split_of(key, test_fraction) != split or (unique and key in seen):
+        if not _in_split(key, split, test_fraction) or (unique and key in seen):
             misses += 1
             if misses > max_misses:
                 raise ValueError(

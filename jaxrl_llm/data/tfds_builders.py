@@ -2,7 +2,8 @@
 
 Registered as ``jaxrl_arithmetic`` and ``jaxrl_countdown`` (prefixed so they never collide with
 TFDS's own catalogue), each with one config per difficulty (``level1`` ... ``level5``) and the
-splits ``train`` and ``test``, disjoint by construction (see `tasks.split_of`). Read them back
+splits ``train`` and ``test``, disjoint by construction (see `tasks.split_of`), and
+``sft`` / ``rl``, the two halves of the train problems (`tasks.part_of`). Read them back
 with ``tfds.data_source("jaxrl_arithmetic/level1", data_dir=...)``; `build_task_dataset` builds
 on first use. ``file_format="array_record"`` is the only format that builds and reads without
 TensorFlow, and it gives the random access grain's index sampling needs.
@@ -45,8 +46,11 @@ class _TaskBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     """Shared generation: examples from `tasks.generate`, keyed by their index."""
 
     TASK: str
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release."}  # noqa: RUF012 (TFDS reads a plain dict)
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {  # noqa: RUF012 (TFDS reads a plain dict)
+        "1.0.0": "Initial release.",
+        "1.1.0": "Splits sft and rl: the two halves of the train problems.",
+    }
 
     def _features(self) -> dict:
         return {
@@ -71,6 +75,8 @@ class _TaskBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         return {
             "train": self._generate_examples("train", cfg.num_train),
             "test": self._generate_examples("test", cfg.num_test),
+            "sft": self._generate_examples("sft", cfg.num_train),
+            "rl": self._generate_examples("rl", cfg.num_train),
         }
 
     def _generate_examples(self, split: str, num_examples: int):
