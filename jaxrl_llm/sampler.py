@@ -27,6 +27,7 @@ from jaxrl_llm.models import (
     split_layers,
     unembed,
 )
+from jaxrl_llm.models.transformer import rope_tables
 
 
 @flax.struct.dataclass
@@ -147,6 +148,9 @@ def _generate(
     # Future slots are marked valid up front: the causal mask hides them until written.
     kv_valid = jnp.concatenate([prompt_mask, jnp.ones((b, cache_size - lp), bool)], axis=1)
     params = split_layers(params, fuse=True)  # once, outside the loops
+    # RoPE sin/cos of every position a decode step can feed, computed once: gathering a
+    # row per step is much cheaper than recomputing sin/cos inside each fused layer op.
+    sin_tab, cos_tab = rope_tables(jnp.arange(lp + t_max)[None], config)  # [1, P, 1, H/2]
     cache = init_cache(config, b, sizes[0])
     h, cache = hidden_states(
         params, config, prompts, positions_from_mask(prompt_mask), kv_valid[:, : sizes[0]], cache, 0
@@ -189,7 +193,8 @@ def _generate(
             tokens, cache = carry[0], carry[5]
             prev = lax.dynamic_index_in_dim(tokens, i - 1, axis=1)  # [B, 1]
             pos = (prompt_lengths + i - 1)[:, None]
-            h, cache = hidden_states(params, config, prev, pos, valid, cache, lp + i - 1)
+            rope = (sin_tab[0, pos], cos_tab[0, pos])  # [B, 1, 1, H/2]
+            h, cache = hidden_states(params, config, prev, pos, valid, cache, lp + i - 1, rope)
             logits = unembed(params, config, h[:, 0])
             return i + 1, record((*carry[:5], cache), i, logits)
 

@@ -350,11 +350,16 @@ def hidden_states(
     attention_mask: jax.Array,
     cache: KVCache | None = None,
     cache_index: jax.Array | int | None = None,
+    rope: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """The transformer trunk: final-normed hidden states [B, L, D] and the updated cache.
 
     Same arguments as `forward`; the unembedding is left to the caller so it can be
     applied to a few positions only (sampler) or in chunks (`token_logps`).
+    `rope` optionally gives the (sin, cos) of `positions` ([B, L, 1, H/2], as
+    `rope_tables` returns them), e.g. gathered from a table computed once outside a
+    decode loop: inside the loop XLA would otherwise recompute sin/cos for every element
+    of every layer's rotated q and k (it fuses them into their consumers).
     Without a cache the layers run under `lax.scan` over the stacked params (compact
     program, used for training); with a cache they are unrolled (decoding: no per-step
     slicing of weights or cache buffers); `params` may then come from `split_layers`.
@@ -364,7 +369,7 @@ def hidden_states(
     if config.embed_scale:
         x = x * jnp.asarray(config.d_model**0.5, dt)
     x = with_logical_constraint(x, ("batch", "length", "embed"))
-    sin, cos = rope_tables(positions, config)
+    sin, cos = rope_tables(positions, config) if rope is None else rope
     if cache is not None and cache_index is None:
         raise ValueError("forward: cache_index is required when a cache is given")
     mask = _attention_mask(attention_mask, tokens.shape[1], None if cache is None else cache_index)
