@@ -7,6 +7,8 @@ devices combine exactly: loss = sum(totals) / sum(denominators).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -40,7 +42,7 @@ def _check_token_args(logp, old_logp, advantages, mask):
     return advantages
 
 
-def policy_loss_with_aux(
+def policy_loss(
     logp,
     old_logp,
     advantages,
@@ -50,12 +52,42 @@ def policy_loss_with_aux(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     ratio: str = "token",
+    return_aux: bool = False,
 ):
-    r"""`policy_loss` plus per-token diagnostics (ratio and clipping indicators).
+    r"""Clipped surrogate policy loss per token (PPO / GRPO / DAPO / GSPO), to minimise.
+
+    PPO ("Proximal Policy Optimization Algorithms"):
+
+    .. math::
+       L_t = \max\big(-A_t r_t,\; -A_t\,\mathrm{clip}(r_t, 1-\epsilon_{lo}, 1+\epsilon_{hi})\big),
+       \quad r_t = \exp(\mathrm{clip}(\log\pi_\theta - \log\pi_{old}, -20, 20)).
+
+    - :math:`\epsilon_{hi} > \epsilon_{lo}` is DAPO's clip-higher ("DAPO: An Open-Source
+      LLM Reinforcement Learning System at Scale").
+    - `dual_clip=c` (c > 1), dual-clip PPO ("Mastering Complex Control in MOBA Games
+      with Deep Reinforcement Learning"): for :math:`A_t < 0`,
+      :math:`L_t = \min(L_t, -A_t c)`.
+    - `ratio="sequence"` is GSPO ("Group Sequence Policy Optimization"): every token
+      uses the sequence ratio :math:`s_i = \exp(\frac{1}{|y_i|}\sum_t m_t
+      (\log\pi_\theta - \log\pi_{old}))` as its value, with gradients flowing per token
+      (:math:`\log \hat s_t = \log\pi_t - \mathrm{sg}(\log\pi_t) + \mathrm{sg}(\log s_i)`).
+
+    Args:
+      logp: float[..., T] log-probs of the taken tokens under the current policy.
+      old_logp: float[..., T] the same under the sampling policy.
+      advantages: float[...] (one per sequence) or float[..., T].
+      mask: bool or float[..., T]; positions with mask 0 get loss 0 and are ignored
+        by the sequence ratio.
+      clip_low, clip_high: :math:`\epsilon_{lo}, \epsilon_{hi} \ge 0`.
+      dual_clip: c > 1, or None.
+      ratio: "token" or "sequence".
+
+      return_aux: also return per-token diagnostics (see Returns).
 
     Returns:
-      (loss float[..., T], aux) where aux is a dict of float[..., T] arrays, 0 where the
-      mask is 0: "ratio" (the importance ratio used), "clipped_high" (A > 0 and
+      float[..., T] per-token loss (0 where masked); reduce it with `aggregate`. With
+      `return_aux`, `(loss, aux)` where aux holds float[..., T] arrays, 0 where the mask
+      is 0: "ratio" (the importance ratio used), "clipped_high" (A > 0 and
       r > 1 + clip_high: the clip is active), "clipped_low" (A < 0 and r < 1 - clip_low)
       and "dual_clipped" (the dual-clip bound is active).
     """
@@ -90,62 +122,12 @@ def policy_loss_with_aux(
         "clipped_low": ((adv < 0) & (r < 1.0 - clip_low)) * weight,
         "dual_clipped": dual_active * weight,
     }
-    return jnp.where(valid, loss, 0.0), aux
+    loss = jnp.where(valid, loss, 0.0)
+    return (loss, aux) if return_aux else loss
 
 
-def policy_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    ratio: str = "token",
-):
-    r"""Clipped surrogate policy loss per token (PPO / GRPO / DAPO / GSPO), to minimise.
-
-    PPO ("Proximal Policy Optimization Algorithms"):
-
-    .. math::
-       L_t = \max\big(-A_t r_t,\; -A_t\,\mathrm{clip}(r_t, 1-\epsilon_{lo}, 1+\epsilon_{hi})\big),
-       \quad r_t = \exp(\mathrm{clip}(\log\pi_\theta - \log\pi_{old}, -20, 20)).
-
-    - :math:`\epsilon_{hi} > \epsilon_{lo}` is DAPO's clip-higher ("DAPO: An Open-Source
-      LLM Reinforcement Learning System at Scale").
-    - `dual_clip=c` (c > 1), dual-clip PPO ("Mastering Complex Control in MOBA Games
-      with Deep Reinforcement Learning"): for :math:`A_t < 0`,
-      :math:`L_t = \min(L_t, -A_t c)`.
-    - `ratio="sequence"` is GSPO ("Group Sequence Policy Optimization"): every token
-      uses the sequence ratio :math:`s_i = \exp(\frac{1}{|y_i|}\sum_t m_t
-      (\log\pi_\theta - \log\pi_{old}))` as its value, with gradients flowing per token
-      (:math:`\log \hat s_t = \log\pi_t - \mathrm{sg}(\log\pi_t) + \mathrm{sg}(\log s_i)`).
-
-    Args:
-      logp: float[..., T] log-probs of the taken tokens under the current policy.
-      old_logp: float[..., T] the same under the sampling policy.
-      advantages: float[...] (one per sequence) or float[..., T].
-      mask: bool or float[..., T]; positions with mask 0 get loss 0 and are ignored
-        by the sequence ratio.
-      clip_low, clip_high: :math:`\epsilon_{lo}, \epsilon_{hi} \ge 0`.
-      dual_clip: c > 1, or None.
-      ratio: "token" or "sequence".
-
-    Returns:
-      float[..., T] per-token loss (0 where masked); reduce it with `aggregate`.
-    """
-    loss, _ = policy_loss_with_aux(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        ratio=ratio,
-    )
-    return loss
+#: `policy_loss` with `return_aux=True`: returns `(loss, aux)`.
+policy_loss_with_aux = functools.partial(policy_loss, return_aux=True)
 
 
 def aggregate(per_token, mask, mode: str, *, max_len: int | None = None):
