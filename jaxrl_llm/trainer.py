@@ -71,10 +71,9 @@ def _source(key: str, spec: str, split: str, data_dir):
 
 def load_initial_params(config: ml_collections.ConfigDict, model: ModelConfig, key):
     path = config_lib.resolve_checkpoint(config.init.checkpoint)
-    like = jax.eval_shape(lambda: init_params(model, key))
     if path is None:
         return init_params(model, key)
-    return load_params_safetensors(path, like=like)
+    return load_params_safetensors(path, like=jax.eval_shape(lambda: init_params(model, key)))
 
 
 class Trainer:
@@ -290,7 +289,7 @@ class Trainer:
         ro = Rollouts.create(
             jnp.asarray(scored.rewards),
             token_mask=jnp.asarray(scored.completion_mask.reshape(self.P, self.G, self.T)),
-            entropy=entropy if entropy is not None else None,
+            entropy=entropy,
             lengths=jnp.asarray(scored.lengths.reshape(self.P, self.G)),
             truncated=jnp.asarray(scored.truncated.reshape(self.P, self.G)),
         )
