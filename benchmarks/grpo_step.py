@@ -110,7 +110,11 @@ def build_programs(args: argparse.Namespace, config: ModelConfig):
     prompt_mask = jnp.ones((n, lp), bool)
 
     generate = make_generate_fn(
-        config, max_new_tokens=t, temperature=1.0, kv_buckets=args.kv_buckets
+        config,
+        max_new_tokens=t,
+        temperature=1.0,
+        kv_buckets=args.kv_buckets,
+        row_groups=args.row_groups or None,
     )
     estimator = chain(group_advantages("grpo"))
     loss_cfg = LossConfig(aggregation=args.aggregation, micro_batch_size=args.micro_batch)
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--kv-buckets", type=int, default=4)
+    p.add_argument("--row-groups", type=int, default=0, help="sampler row groups (0 = the default)")
     p.add_argument(
         "--aggregation", default="token-mean", choices=["token-mean", "seq-mean-token-mean"]
     )

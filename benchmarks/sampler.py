@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from benchmarks._common import add_model_args, emit, matmul_ceiling, model_from_args, time_call
 from jaxrl_llm.models import ModelConfig, init_params
-from jaxrl_llm.sampler import make_generate_fn
+from jaxrl_llm.sampler import default_row_groups, make_generate_fn
 
 
 def model_flops(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -51,6 +51,7 @@ def run(args: argparse.Namespace, config: ModelConfig, batch: int, ceiling: floa
         top_k=args.top_k,
         top_p=args.top_p,
         kv_buckets=args.kv_buckets,
+        row_groups=args.row_groups or None,
     )
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(params, prompts, mask, ks).compile()
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace, config: ModelConfig, batch: int, ceiling: floa
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "kv_buckets": args.kv_buckets,
+        "row_groups": args.row_groups or default_row_groups(batch),
         "dtype": config.dtype,
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--kv-buckets", type=int, default=4)
+    p.add_argument("--row-groups", type=int, default=0, help="sampler row groups (0 = the default)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args(argv)

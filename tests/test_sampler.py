@@ -273,6 +273,18 @@ def test_deterministic_per_key_and_buckets_do_not_change_results():
     np.testing.assert_allclose(a.logps, d.logps, atol=1e-5)
 
 
+def test_row_groups_do_not_change_results():
+    # Each group's rows have their own cache buffers; the arithmetic per row is the same.
+    prompts, mask = _prompts([*ROWS, [7, 7, 1], [2], [12, 4, 6, 8]], 5)
+    kw = dict(max_new_tokens=9, eos_ids=(5,), temperature=0.9)
+    ref = generate(PARAMS, CONFIG, prompts, mask, jax.random.key(3), row_groups=1, **kw)
+    for groups in (2, 3, 6):
+        r = generate(PARAMS, CONFIG, prompts, mask, jax.random.key(3), row_groups=groups, **kw)
+        np.testing.assert_array_equal(r.tokens, ref.tokens)
+        np.testing.assert_array_equal(r.completion_mask, ref.completion_mask)
+        np.testing.assert_allclose(r.logps, ref.logps, atol=1e-5)
+
+
 def test_make_generate_fn_is_jittable_with_explicit_cache_size():
     prompts, mask = _prompts(ROWS, 5)
     fn = jax.jit(make_generate_fn(CONFIG, max_new_tokens=4, temperature=0.0, cache_size=12))
@@ -298,6 +310,8 @@ def test_make_generate_fn_is_jittable_with_explicit_cache_size():
         (dict(top_k=33), None, "top_k must be"),
         (dict(max_new_tokens=0), None, "max_new_tokens"),
         (dict(kv_buckets=0), None, "kv_buckets"),
+        (dict(row_groups=0), None, "row_groups must be"),
+        (dict(row_groups=2), None, "row_groups 2 does not divide the batch of 3"),
         (dict(), (np.ones((2, 3), np.int32), np.ones((2, 4), bool)), "shape"),
         (dict(), (np.ones((2, 3), np.int32), np.array([[1, 0, 1], [1, 1, 1]], bool)), "left-pad"),
         (dict(), (np.ones((2, 3), np.int32), np.array([[0, 0, 0], [1, 1, 1]], bool)), "empty"),
