@@ -10,6 +10,5 @@ from jaxrl_llm.config import base_config
 def get_config():
     c = base_config()
     c.rl.group_size = 3
-    c.rl.prompts_per_step = 32
     c.rl.transforms = (("group_advantages", {"kind": "median", "scale": "none"}),)
     return c

@@ -66,7 +66,7 @@ def base_config() -> ml_collections.ConfigDict:
             prompt_len=12,  # left-padded prompt buffer (tokens, BOS included)
             template="plain",
             data_dir="",  # TFDS data dir; "" = $JAXRL_DATA_DIR or ~/tensorflow_datasets
-            eval_prompts=200,
+            eval_prompts=400,
         )
     )
     c.sampling = ml_collections.ConfigDict(
@@ -74,8 +74,10 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.rl = ml_collections.ConfigDict(
         dict(
-            prompts_per_step=16,  # P
-            group_size=8,  # G rollouts sampled per prompt (MC-GRPO: G' + 1)
+            # P x G = 512 rollouts per step. Many prompts, small groups: at a fixed budget
+            # P=128 x G=4 raised held-out accuracy more than 64 x 8 or 32 x 16 (README).
+            prompts_per_step=128,  # P
+            group_size=4,  # G rollouts sampled per prompt (MC-GRPO: G' + 1)
             # The advantage transform chain, [(name, kwargs), ...] (transforms.from_spec).
             transforms=(("group_advantages", {"kind": "grpo"}),),
             # DAPO dynamic sampling: extra sampling rounds to replace zero-variance groups
