@@ -25,21 +25,16 @@ step / step_s / the matmul ceiling measured in the same process (`_common`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import time
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from benchmarks._common import add_model_args, block, emit, matmul_ceiling, model_from_args
 from benchmarks.sampler import model_flops as sample_flops
-from jaxrl_llm import train_step as train_step_lib
 from jaxrl_llm.models import ModelConfig, init_params
-from jaxrl_llm.models import transformer as tf
 from jaxrl_llm.sampler import make_generate_fn
 from jaxrl_llm.train_step import (
     LossConfig,
@@ -73,31 +68,6 @@ def even_fraction_reward(tokens: jax.Array, mask: jax.Array) -> jax.Array:
     m = mask.astype(jnp.float32)
     even = (tokens % 2 == 0).astype(jnp.float32)
     return jnp.sum(even * m, -1) / jnp.maximum(jnp.sum(m, -1), 1.0)
-
-
-def unrolled_token_logps_and_entropy(
-    params, config, tokens, positions, attention_mask, temperature=1.0, chunk_size=None
-):
-    """EXPERIMENTAL `models.token_logps_and_entropy` with the layer scan fully unrolled.
-
-    Same math as the package (same `_block`); only `lax.scan(..., unroll=True)`, so the
-    backward pass keeps each layer's residuals as separate buffers instead of zero-filling
-    and dynamic-update-slicing stacked [layers, N, L, F] arrays (the biggest non-matmul
-    cost in the profile of the package step). No logits chunking (fine for small V).
-    """
-    x = jnp.take(params["embed"], tokens, axis=0).astype(config.jnp_dtype)
-    if config.embed_scale:
-        x = x * jnp.asarray(config.d_model**0.5, x.dtype)
-    sin, cos = tf.rope_tables(positions, config)
-    mask = tf._attention_mask(attention_mask, tokens.shape[1], None)
-
-    def body(x, lp):
-        return tf._block(x, lp, config, sin, cos, mask, None, None)[0], None
-
-    x, _ = lax.scan(body, x, params["layers"], unroll=True)
-    h = tf.rms_norm(x, params["final_norm"], config)[:, :-1]
-    logits = tf.unembed(params, config, h)
-    return tf.logps_and_entropy_from_logits(logits, tokens[:, 1:], temperature)
 
 
 def build_programs(args: argparse.Namespace, config: ModelConfig):
@@ -162,12 +132,7 @@ def build_programs(args: argparse.Namespace, config: ModelConfig):
     args_adv = (rollout, rewards, state.transform_state, state.step)
     compiled["advantages"] = jax.jit(advantages).lower(*args_adv).compile()
     batch = jax.eval_shape(advantages, *args_adv)[0]
-    patch = contextlib.nullcontext()
-    if args.train_variant == "unrolled":  # experimental, see unrolled_token_logps_and_entropy
-        fn = unrolled_token_logps_and_entropy
-        patch = mock.patch.object(train_step_lib, "token_logps_and_entropy", fn)
-    with patch:  # only tracing (inside compile) sees the variant
-        update = jax.jit(step_fn, donate_argnums=0).lower(state, batch).compile()
+    update = jax.jit(step_fn, donate_argnums=0).lower(state, batch).compile()
     compiled["update"] = update
     compile_s = time.perf_counter() - t0
     return state, (prompts, prompt_mask, key), compiled, compile_s
@@ -215,12 +180,6 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=0,
         help="rows per gradient-accumulation micro-batch (0 = all N); does not change the gradient",
-    )
-    p.add_argument(
-        "--train-variant",
-        default="package",
-        choices=["package", "unrolled"],
-        help="'unrolled': EXPERIMENTAL local log-prob forward with the layer scan unrolled",
     )
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype"
@@ -272,7 +231,6 @@ def main(argv: list[str] | None = None) -> None:
             "new_tokens": args.new_tokens,
             "aggregation": args.aggregation,
             "micro_batch": args.micro_batch,
-            "train_variant": args.train_variant,
             "dtype": config.dtype,
             "backend": jax.default_backend(),
             "devices": jax.device_count(),

@@ -115,10 +115,16 @@ def completion_logps(params, model: ModelConfig, batch: TrainBatch, temperature:
     t = batch.loss_weights.shape[-1]
     prompt_len = batch.tokens.shape[-1] - t
     positions = jnp.maximum(jnp.cumsum(batch.attention_mask.astype(jnp.int32), -1) - 1, 0)
-    logps, ent = token_logps_and_entropy(
-        params, model, batch.tokens, positions, batch.attention_mask, temperature
-    )  # [N, Lp + T - 1]
-    return logps[:, prompt_len - 1 :], ent[:, prompt_len - 1 :]
+    # Only the completion's positions are unembedded (no logits for the prompt).
+    return token_logps_and_entropy(
+        params,
+        model,
+        batch.tokens,
+        positions,
+        batch.attention_mask,
+        temperature,
+        start=prompt_len - 1,
+    )  # [N, T] each
 
 
 def loss_terms(params, model: ModelConfig, cfg: LossConfig, batch: TrainBatch):

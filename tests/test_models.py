@@ -290,6 +290,30 @@ def test_token_logps_chunked_equals_unchunked_with_gradients():
             np.testing.assert_allclose(a, b, atol=1e-4)
 
 
+def test_token_logps_start_scores_only_the_suffix_with_the_same_values_and_gradients():
+    config = ModelConfig.tiny()
+    params = _params(config)
+    tokens, mask = _left_padded_batch(config, [7, 4], 7)
+    pos = models.positions_from_mask(mask)
+
+    def loss(p, start, chunk_size=None):
+        lp, h = models.token_logps_and_entropy(p, config, tokens, pos, mask, 0.8, chunk_size, start)
+        return jnp.sum(lp[:, 3 - start :]) + 0.1 * jnp.sum(h[:, 3 - start :]), (lp, h)
+
+    grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=(1, 2))
+    (v_all, (lp_all, h_all)), g_all = grad_fn(params, 0)
+    for start, chunk in ((3, None), (3, 2), (0, 4)):
+        (v, (lp, h)), g = grad_fn(params, start, chunk)
+        assert lp.shape == (2, 6 - start)
+        np.testing.assert_allclose(lp, lp_all[:, start:], atol=1e-6)
+        np.testing.assert_allclose(h, h_all[:, start:], atol=1e-6)
+        np.testing.assert_allclose(v, v_all, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_all), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="start must be in"):
+        models.token_logps_and_entropy(params, config, tokens, pos, mask, 1.0, None, 6)
+
+
 # ---- sharding hook -------------------------------------------------------------------------
 
 

@@ -469,6 +469,7 @@ def token_logps_and_entropy(
     attention_mask: jax.Array,
     temperature: float | jax.Array = 1.0,
     chunk_size: int | None = None,
+    start: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs and entropies of a sequence under softmax(logits / temperature).
 
@@ -483,14 +484,21 @@ def token_logps_and_entropy(
     scan, so at most [B, chunk_size, V] float32 logits are alive, in the forward and the
     backward pass. Default chunk: largest with B * chunk * V <= 2**24.
 
-    Args: as `forward` (no cache); temperature > 0.
-    Returns: (logps [B, L - 1] float32, entropy [B, L - 1] float32).
+    `start` (static) skips the first columns: only positions start .. L - 2 are
+    unembedded and scored (e.g. start = Lp - 1 scores just the completion of a prompt of
+    Lp tokens, so no [B, Lp, V] logits are computed for the prompt).
+
+    Args: as `forward` (no cache); temperature > 0; 0 <= start < L - 1.
+    Returns: (logps [B, L - 1 - start] float32, entropy [B, L - 1 - start] float32);
+      column j scores tokens[:, start + j + 1].
     """
     b, length = tokens.shape
+    if not 0 <= start < length - 1:
+        raise ValueError(f"token_logps: start must be in [0, {length - 1}), got {start}")
     h, _ = hidden_states(params, config, tokens, positions, attention_mask)
-    h = h[:, :-1]  # [B, L-1, D]: predicts tokens[:, 1:]
-    targets = tokens[:, 1:]
-    n = length - 1
+    h = h[:, start:-1]  # [B, L-1-start, D]: predicts tokens[:, start + 1 :]
+    targets = tokens[:, start + 1 :]
+    n = length - 1 - start
     if chunk_size is None:
         chunk_size = max(1, _LOGITS_BUDGET // max(1, b * config.vocab_size))
     chunk_size = max(1, min(chunk_size, n))
@@ -524,14 +532,15 @@ def token_logps(
     attention_mask: jax.Array,
     temperature: float | jax.Array = 1.0,
     chunk_size: int | None = None,
+    start: int = 0,
 ) -> jax.Array:
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) under softmax(logits / T): [B, L - 1] float32.
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) under softmax(logits / T): [B, L - 1 - start].
 
-    See `token_logps_and_entropy` for the alignment and chunking; XLA drops the unused
-    entropy computation under jit.
+    See `token_logps_and_entropy` for the alignment, `start` and chunking; XLA drops the
+    unused entropy computation under jit.
     """
     return token_logps_and_entropy(
-        params, config, tokens, positions, attention_mask, temperature, chunk_size
+        params, config, tokens, positions, attention_mask, temperature, chunk_size, start
     )[0]
 
 
