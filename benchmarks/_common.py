@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.models import ModelConfig
 
@@ -99,3 +101,33 @@ def model_from_args(args: argparse.Namespace, *, dtype: str, param_dtype: str) -
         param_dtype=param_dtype,
         dtype=dtype,
     )
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """--host-devices: how many JAX devices the host CPU is split into."""
+    p.add_argument(
+        "--host-devices",
+        type=int,
+        default=0,
+        help="CPU: expose the host as N JAX devices (XLA's host platform device count) and "
+        "shard the batch over them; 0 = one per core available to this process",
+    )
+
+
+def use_host_devices(n: int) -> int:
+    """Sets XLA's host device count to `n` (0 = the usable cores) before JAX starts a
+    backend; returns n. The devices share the host's cores, each running its part of a
+    batch-sharded program: a data-parallel mesh on one machine, the same code path as a
+    multi-device accelerator or a multi-host slice."""
+    n = n or len(os.sched_getaffinity(0))
+    flag = f"--xla_force_host_platform_device_count={n}"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    return n
+
+
+def data_sharding() -> tuple[NamedSharding, NamedSharding]:
+    """(batch, replicated) shardings over a 1-D "data" mesh of all devices."""
+    mesh = Mesh(jax.devices(), ("data",))
+    return NamedSharding(mesh, PartitionSpec("data")), NamedSharding(mesh, PartitionSpec())

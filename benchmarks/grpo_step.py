@@ -32,7 +32,16 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks._common import add_model_args, block, emit, matmul_ceiling, model_from_args
+from benchmarks._common import (
+    add_device_args,
+    add_model_args,
+    block,
+    data_sharding,
+    emit,
+    matmul_ceiling,
+    model_from_args,
+    use_host_devices,
+)
 from benchmarks.sampler import model_flops as sample_flops
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.sampler import make_generate_fn
@@ -124,17 +133,32 @@ def build_programs(args: argparse.Namespace, config: ModelConfig):
         transform_state=estimator.init(example),
     )
 
-    t0 = time.perf_counter()
-    compiled = {"sample": jax.jit(generate).lower(params, prompts, prompt_mask, key).compile()}
-    rollout = jax.eval_shape(generate, params, prompts, prompt_mask, key)
-    compiled["score"] = jax.jit(score).lower(rollout).compile()
-    rewards = jax.eval_shape(score, rollout)
+    # Data parallel over the devices: rollouts (whole groups) split by row, the policy and
+    # optimizer state replicated; XLA inserts the gradient all-reduce.
+    if n % (jax.device_count() * g):
+        raise ValueError(f"{n} rollouts do not split into whole groups over the devices")
+    batch_sharding, replicated = data_sharding()
+    state = jax.device_put(state, replicated)
+    params = state.params
+    prompts, prompt_mask = jax.device_put((prompts, prompt_mask), batch_sharding)
+    # Each stage is compiled for the real (sharded) outputs of the previous one.
+    compile_s = 0.0
+
+    def compile_stage(fn, *args, **jit_kw):
+        nonlocal compile_s
+        t0 = time.perf_counter()
+        c = jax.jit(fn, **jit_kw).lower(*args).compile()
+        compile_s += time.perf_counter() - t0
+        return c
+
+    compiled = {"sample": compile_stage(generate, params, prompts, prompt_mask, key)}
+    rollout = compiled["sample"](params, prompts, prompt_mask, key)
+    compiled["score"] = compile_stage(score, rollout)
+    rewards = compiled["score"](rollout)
     args_adv = (rollout, rewards, state.transform_state, state.step)
-    compiled["advantages"] = jax.jit(advantages).lower(*args_adv).compile()
-    batch = jax.eval_shape(advantages, *args_adv)[0]
-    update = jax.jit(step_fn, donate_argnums=0).lower(state, batch).compile()
-    compiled["update"] = update
-    compile_s = time.perf_counter() - t0
+    compiled["advantages"] = compile_stage(advantages, *args_adv)
+    batch = compiled["advantages"](*args_adv)[0]
+    compiled["update"] = compile_stage(step_fn, state, batch, donate_argnums=0)
     return state, (prompts, prompt_mask, key), compiled, compile_s
 
 
@@ -186,9 +210,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--steps", type=int, default=7, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    add_device_args(p)
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    use_host_devices(args.host_devices)  # before the first JAX computation
 
     # float32 master weights always (AdamW state and updates stay float32);
     # --dtype is the compute dtype of activations and matmuls.

@@ -16,7 +16,16 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks._common import add_model_args, emit, matmul_ceiling, model_from_args, time_call
+from benchmarks._common import (
+    add_device_args,
+    add_model_args,
+    data_sharding,
+    emit,
+    matmul_ceiling,
+    model_from_args,
+    time_call,
+    use_host_devices,
+)
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.sampler import default_row_groups, make_generate_fn
 
@@ -53,6 +62,11 @@ def run(args: argparse.Namespace, config: ModelConfig, batch: int, ceiling: floa
         kv_buckets=args.kv_buckets,
         row_groups=args.row_groups or None,
     )
+    batch_sharding, replicated = data_sharding()
+    if batch % jax.device_count():
+        raise ValueError(f"--batch {batch} is not divisible by {jax.device_count()} devices")
+    params = jax.device_put(params, replicated)
+    prompts, mask = jax.device_put((prompts, mask), batch_sharding)
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(params, prompts, mask, ks).compile()
     compile_s = time.perf_counter() - t0
@@ -73,7 +87,7 @@ def run(args: argparse.Namespace, config: ModelConfig, batch: int, ceiling: floa
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "kv_buckets": args.kv_buckets,
-        "row_groups": args.row_groups or default_row_groups(batch),
+        "row_groups": args.row_groups or default_row_groups(batch // jax.device_count()),
         "dtype": config.dtype,
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
@@ -94,7 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--row-groups", type=int, default=0, help="sampler row groups (0 = the default)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=7)
+    add_device_args(p)
     args = p.parse_args(argv)
+    use_host_devices(args.host_devices)  # before the first JAX computation
 
     config = model_from_args(args, dtype=args.dtype, param_dtype=args.dtype)
     ceiling = matmul_ceiling(config.jnp_dtype)

@@ -27,10 +27,16 @@ import collections
 import time
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh, PartitionSpec
 
-from benchmarks._common import add_model_args, emit, model_from_args
+from benchmarks._common import (
+    add_device_args,
+    add_model_args,
+    emit,
+    model_from_args,
+    use_host_devices,
+)
 from jaxrl_llm.models import ModelConfig
 
 # (m, k, n, transposed_lhs): x [m, k] @ w [k, n]; transposed_lhs: x^T dy with x [k, m].
@@ -72,15 +78,19 @@ def step_matmuls(
 
 
 def best_time(shape: Shape, iters: int, repeats: int = 5) -> float:
-    """Best seconds per matmul of `shape`, over `repeats` runs of an `iters`-long loop."""
+    """Best seconds per matmul of `shape`, over `repeats` runs of an `iters`-long loop.
+
+    With several devices the rows are split over them (data parallel: x and, for
+    dW = x^T dy, dy sharded by row; w replicated) and every device runs its share in a
+    local loop (`shard_map`, no communication): the time is that of all shares at once.
+    """
     m, k, n, transposed = shape
     key_x, key_w = jax.random.split(jax.random.key(0))
     x = jax.random.normal(key_x, (k, m) if transposed else (m, k))
     w = jax.random.normal(key_w, (k, n))
     dims = (((0,), (0,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
 
-    @jax.jit
-    def loop(x, w):
+    def local_loop(x, w):
         def body(_, carry):
             # Each product feeds one element of the next one's input (in place; x + 0 * y
             # is not simplified for floats), so XLA can neither hoist the matmul out of
@@ -89,8 +99,19 @@ def best_time(shape: Shape, iters: int, repeats: int = 5) -> float:
             y = lax.dot_general(x.at[0, 0].add(acc * 0.0), w, dims)
             return x, y[0, 0]
 
-        return lax.fori_loop(0, iters, body, (x, jnp.zeros((), x.dtype)))[1]
+        acc = lax.fori_loop(0, iters, body, (x, x[0, 0] * 0.0))[1]
+        return acc[None]
 
+    mesh = Mesh(jax.devices(), ("data",))
+    rows = PartitionSpec("data")
+    loop = jax.jit(
+        jax.shard_map(
+            local_loop,
+            mesh=mesh,
+            in_specs=(rows, rows if transposed else PartitionSpec()),
+            out_specs=rows,
+        )
+    )
     loop(x, w).block_until_ready()
     times = []
     for _ in range(repeats):
@@ -108,7 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--target-s", type=float, default=0.35, help="step-time target to compare")
+    add_device_args(p)
     args = p.parse_args(argv)
+    use_host_devices(args.host_devices)  # before the first JAX computation
     config = model_from_args(args, dtype="float32", param_dtype="float32")
     n = args.prompts * args.group
     rows_update = n * (args.prompt_len + args.new_tokens)
@@ -143,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             "update_gflops_per_s": flops["update"] / stages["update"] / 1e9,
             "target_s": args.target_s,
             "target_over_floor": args.target_s / floor,
+            "devices": jax.device_count(),
         }
     )
 

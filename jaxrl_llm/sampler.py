@@ -9,6 +9,7 @@ it in `jax.jit` with their own shardings.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 
 import flax.struct
@@ -306,7 +307,7 @@ def make_generate_fn(
         b, lp = prompts.shape
         size = lp + max_new_tokens if cache_size is None else cache_size
         _check_buffer(lp, max_new_tokens, size)
-        groups = default_row_groups(b) if row_groups is None else row_groups
+        groups = default_row_groups(b // jax.device_count()) if row_groups is None else row_groups
         if b % groups:
             raise ValueError(f"generate: row_groups {groups} does not divide the batch of {b}")
         return _generate(
@@ -329,19 +330,25 @@ def make_generate_fn(
     return generate_fn
 
 
-def default_row_groups(batch_size: int) -> int:
-    """Row groups `make_generate_fn` uses when not told: 2 on CPU for even batches >= 128.
+def default_row_groups(rows_per_device: int) -> int:
+    """Row groups `make_generate_fn` uses when not told: 2 on a CPU device that owns
+    several cores and at least 128 (an even number of) rows, else 1.
 
     On CPU a decode step is a chain of small ops, several of them single-threaded
     (attention reductions over the cache, cache updates, norms) and matmuls of B rows
     that do not keep two cores busy; two halves of the batch, each through the whole
     trunk with its own cache, are two independent chains the runtime overlaps on two
-    cores. Measured on a 2-core machine (`benchmarks/sampler.py`, batch 256): 13.0k ->
-    14.2k tokens/s; splitting only the attention gained nothing, and 4 groups of 64 rows
-    lose to 2 of 128. Accelerators run each op on the whole chip: 1.
+    cores. Measured on a 2-core machine (`benchmarks/sampler.py`, batch 256, one
+    device): 13.0k -> 14.2k tokens/s; splitting only the attention gained nothing, and
+    4 groups of 64 rows lose to 2 of 128. When the cores are already split into
+    devices (`--xla_force_host_platform_device_count`, batch sharded), or on
+    accelerators, which run each op on the whole chip: 1.
     """
-    if jax.default_backend() == "cpu" and batch_size >= 128 and batch_size % 2 == 0:
-        return 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    per_device = (cores or 1) / max(1, jax.local_device_count())
+    if jax.default_backend() == "cpu" and per_device >= 2:
+        if rows_per_device >= 128 and rows_per_device % 2 == 0:
+            return 2
     return 1
 
 

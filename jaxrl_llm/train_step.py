@@ -214,8 +214,11 @@ def make_train_step(model: ModelConfig, cfg: LossConfig, optimizer: optax.Gradie
         keys = jax.random.split(perm_key, cfg.num_iterations)
 
         def epoch(carry, key):
-            perm = jax.random.permutation(key, rows)
-            shuffled = jax.tree.map(lambda x: x[perm], batch)
+            shuffled = batch
+            if cfg.num_minibatches > 1:  # one mini-batch: the order of rows cannot matter,
+                # and a gather across a batch-sharded mesh would move every row.
+                perm = jax.random.permutation(key, rows)
+                shuffled = jax.tree.map(lambda x: x[perm], batch)
             mbs = jax.tree.map(lambda x: x.reshape(cfg.num_minibatches, -1, *x.shape[1:]), shuffled)
             return jax.lax.scan(minibatch_update, carry, mbs)
 

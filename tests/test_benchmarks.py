@@ -33,7 +33,7 @@ def test_step_matmuls_hand_counted_flops():
 def test_step_floor_runs_and_prints_one_json_line(capsys):
     step_floor.main(
         "--d-model 16 --layers 1 --heads 2 --kv-heads 1 --ffn 32 --vocab 8 "
-        "--prompts 2 --group 2 --prompt-len 2 --new-tokens 2".split()
+        "--prompts 2 --group 2 --prompt-len 2 --new-tokens 2 --host-devices 1".split()
     )
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1

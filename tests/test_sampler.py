@@ -327,3 +327,41 @@ def test_bad_inputs_raise_one_line_errors(kwargs, prompts_mask, match):
     with pytest.raises(ValueError, match=match) as err:
         generate(PARAMS, CONFIG, prompts, mask, jax.random.key(0), **kw)
     assert "\n" not in str(err.value)
+
+
+_SHARDED_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxrl_llm import models
+from jaxrl_llm.sampler import make_generate_fn
+assert jax.device_count() == 2, jax.devices()
+config = models.ModelConfig.tiny()
+params = models.init_params(config, jax.random.key(0))
+prompts = jax.random.randint(jax.random.key(1), (8, 5), 1, config.vocab_size)
+mask = jnp.ones((8, 5), bool).at[::3, :2].set(False)
+fn = make_generate_fn(config, max_new_tokens=7, temperature=0.9, eos_ids=(5,))
+mesh = Mesh(jax.devices(), ("data",))
+rows, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+ref = jax.jit(fn)(params, prompts, mask, jax.random.key(2))
+out = jax.jit(fn)(
+    jax.device_put(params, rep), *jax.device_put((prompts, mask), rows), jax.random.key(2)
+)
+assert len(out.tokens.sharding.device_set) == 2
+np.testing.assert_array_equal(out.tokens, ref.tokens)
+np.testing.assert_allclose(out.logps, ref.logps, atol=1e-5)
+print("ok")
+"""
+
+
+def test_batch_sharded_over_two_host_devices_gives_the_same_rollout():
+    # A separate process: the host device count is fixed when JAX starts its backend.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    res = subprocess.run(
+        [sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "ok"
