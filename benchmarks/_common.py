@@ -103,6 +103,12 @@ def model_from_args(args: argparse.Namespace, *, dtype: str, param_dtype: str) -
     )
 
 
+def add_sampler_args(p: argparse.ArgumentParser) -> None:
+    """The sampler layout flags shared by the benchmarks that sample."""
+    p.add_argument("--kv-buckets", type=int, default=4)
+    p.add_argument("--row-groups", type=int, default=0, help="sampler row groups (0 = the default)")
+
+
 def add_device_args(p: argparse.ArgumentParser) -> None:
     """--host-devices: how many JAX devices the host CPU is split into."""
     p.add_argument(

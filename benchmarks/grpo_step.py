@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from benchmarks._common import (
     add_device_args,
     add_model_args,
+    add_sampler_args,
     block,
     data_sharding,
     emit,
@@ -194,8 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--group", type=int, default=8, help="G completions per prompt")
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--kv-buckets", type=int, default=4)
-    p.add_argument("--row-groups", type=int, default=0, help="sampler row groups (0 = the default)")
+    add_sampler_args(p)
     p.add_argument(
         "--aggregation", default="token-mean", choices=["token-mean", "seq-mean-token-mean"]
     )

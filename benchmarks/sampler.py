@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from benchmarks._common import (
     add_device_args,
     add_model_args,
+    add_sampler_args,
     data_sharding,
     emit,
     matmul_ceiling,
@@ -104,8 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--kv-buckets", type=int, default=4)
-    p.add_argument("--row-groups", type=int, default=0, help="sampler row groups (0 = the default)")
+    add_sampler_args(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=7)
     add_device_args(p)

@@ -19,7 +19,7 @@ from flax import struct
 
 from jaxrl_llm import losses
 from jaxrl_llm._checks import check_choice
-from jaxrl_llm.models import ModelConfig, token_logps_and_entropy
+from jaxrl_llm.models import ModelConfig, positions_from_mask, token_logps_and_entropy
 
 
 @struct.dataclass
@@ -114,7 +114,7 @@ def completion_logps(params, model: ModelConfig, batch: TrainBatch, temperature:
     """
     t = batch.loss_weights.shape[-1]
     prompt_len = batch.tokens.shape[-1] - t
-    positions = jnp.maximum(jnp.cumsum(batch.attention_mask.astype(jnp.int32), -1) - 1, 0)
+    positions = positions_from_mask(batch.attention_mask)
     # Only the completion's positions are unembedded (no logits for the prompt).
     return token_logps_and_entropy(
         params,

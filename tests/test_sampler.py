@@ -2,6 +2,10 @@
 invariance, greedy/top-k/top-p semantics, a statistical test of sampling frequencies,
 EOS bookkeeping, determinism and input validation."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -355,10 +359,6 @@ print("ok")
 
 def test_batch_sharded_over_two_host_devices_gives_the_same_rollout():
     # A separate process: the host device count is fixed when JAX starts its backend.
-    import os
-    import subprocess
-    import sys
-
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     res = subprocess.run(
         [sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True, text=True
