@@ -8,9 +8,10 @@ it in `jax.jit` with their own shardings.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -248,66 +249,96 @@ def _generate(
     )
 
 
-def _check_options(
-    config: ModelConfig,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    eos_ids: Sequence[int],
-    pad_id: int,
-) -> None:
-    """Raises a one-line ValueError naming the first bad static option."""
-    v = config.vocab_size
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not temperature >= 0:
-        raise ValueError(f"generate: temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not isinstance(top_k, int) or not 0 <= top_k <= v:
-        raise ValueError(f"generate: top_k must be an int in [0, vocab_size={v}], got {top_k!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
-    for e in eos_ids:
-        if not 0 <= int(e) < v:
-            raise ValueError(f"generate: eos id {e} is outside the vocab [0, {v})")
-    if not 0 <= int(pad_id) < v:
-        raise ValueError(f"generate: pad_id {pad_id} is outside the vocab [0, {v})")
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Static options of one compiled sampler (hashable: jit and caches key on it).
+
+    Greedy or evaluation sampling is `sampling.replace(temperature=0.0)`, not another
+    option list. Field checks that need no model run here; ids are checked against the
+    vocabulary by `make_generate_fn` / `generate`.
+    """
+
+    max_new_tokens: int  # T, the completion buffer
+    temperature: float = 1.0  # >= 0; 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # in (0, 1]; 1 = off
+    eos_ids: tuple[int, ...] = ()  # any of them ends a completion (kept in it)
+    pad_id: int = 0  # written after a row's EOS
+    cache_size: int | None = None  # KV slots; default Lp + T
+    kv_buckets: int = 4  # decode phases, each reading only the cache prefix it can reach
+    row_groups: int | None = None  # independent row groups; None = default_row_groups
+
+    def __post_init__(self):
+        object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+        t = self.max_new_tokens
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {t!r}")
+        if not self.temperature >= 0:
+            raise ValueError(
+                f"generate: temperature must be >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"generate: top_k must be an int >= 0, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"generate: top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.kv_buckets, int) or self.kv_buckets < 1:
+            raise ValueError(f"generate: kv_buckets must be an int >= 1, got {self.kv_buckets!r}")
+        g = self.row_groups
+        if g is not None and (not isinstance(g, int) or g < 1):
+            raise ValueError(f"generate: row_groups must be an int >= 1 or None, got {g!r}")
+
+    def replace(self, **changes) -> SamplingConfig:
+        return dataclasses.replace(self, **changes)
+
+    def check(self, config: ModelConfig, prompt_len: int | None = None) -> None:
+        """Raises a one-line ValueError for ids outside the vocab or a too-small cache."""
+        v = config.vocab_size
+        if self.top_k > v:
+            raise ValueError(
+                f"generate: top_k must be an int in [0, vocab_size={v}], got {self.top_k!r}"
+            )
+        for e in self.eos_ids:
+            if not 0 <= e < v:
+                raise ValueError(f"generate: eos id {e} is outside the vocab [0, {v})")
+        if not 0 <= int(self.pad_id) < v:
+            raise ValueError(f"generate: pad_id {self.pad_id} is outside the vocab [0, {v})")
+        if prompt_len is not None and self.cache_size is not None:
+            _check_buffer(prompt_len, self.max_new_tokens, self.cache_size)
+
+
+def _sampling(sampling: SamplingConfig | None, options: dict) -> SamplingConfig:
+    if sampling is None:
+        return SamplingConfig(**options)
+    if options:
+        raise ValueError(f"generate: give a SamplingConfig or options, not both: {sorted(options)}")
+    return sampling
 
 
 def make_generate_fn(
     config: ModelConfig,
+    sampling: SamplingConfig | None = None,
     *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_ids: Sequence[int] = (),
-    pad_id: int = 0,
-    cache_size: int | None = None,
     prompt_len: int | None = None,
-    kv_buckets: int = 4,
-    row_groups: int | None = None,
+    **options,
 ) -> Callable[[Params, jax.Array, jax.Array, jax.Array], Rollout]:
     """The pure (un-jitted) generation function for fixed static options.
 
     Returns f(params, prompts [B, Lp], prompt_mask [B, Lp], key) -> Rollout, suitable
-    for `jax.jit(f, in_shardings=..., out_shardings=...)`. Options are validated here;
-    `cache_size` (default Lp + max_new_tokens) must be >= Lp + max_new_tokens, and is
+    for `jax.jit(f, in_shardings=..., out_shardings=...)`. `sampling` is a
+    `SamplingConfig` (or give its fields as keyword arguments). Options are validated
+    here; the cache size (default Lp + max_new_tokens) must be >= Lp + max_new_tokens,
     checked against `prompt_len` when given, else at trace time.
     """
-    _check_options(config, max_new_tokens, temperature, top_k, top_p, eos_ids, pad_id)
-    if not isinstance(kv_buckets, int) or kv_buckets < 1:
-        raise ValueError(f"generate: kv_buckets must be an int >= 1, got {kv_buckets!r}")
-    if cache_size is not None and prompt_len is not None:
-        _check_buffer(prompt_len, max_new_tokens, cache_size)
-    if row_groups is not None and (not isinstance(row_groups, int) or row_groups < 1):
-        raise ValueError(f"generate: row_groups must be an int >= 1 or None, got {row_groups!r}")
+    s = _sampling(sampling, options)
+    s.check(config, prompt_len)
 
     def generate_fn(params, prompts, prompt_mask, key):
         b, lp = prompts.shape
-        size = lp + max_new_tokens if cache_size is None else cache_size
-        _check_buffer(lp, max_new_tokens, size)
-        groups = default_row_groups(b // jax.device_count()) if row_groups is None else row_groups
+        size = lp + s.max_new_tokens if s.cache_size is None else s.cache_size
+        _check_buffer(lp, s.max_new_tokens, size)
+        groups = (
+            default_row_groups(b // jax.device_count()) if s.row_groups is None else s.row_groups
+        )
         if b % groups:
             raise ValueError(f"generate: row_groups {groups} does not divide the batch of {b}")
         return _generate(
@@ -316,14 +347,14 @@ def make_generate_fn(
             prompt_mask,
             key,
             config=config,
-            max_new_tokens=max_new_tokens,
-            temperature=float(temperature),
-            top_k=int(top_k),
-            top_p=float(top_p),
-            eos_ids=tuple(int(e) for e in eos_ids),
-            pad_id=int(pad_id),
+            max_new_tokens=s.max_new_tokens,
+            temperature=float(s.temperature),
+            top_k=int(s.top_k),
+            top_p=float(s.top_p),
+            eos_ids=s.eos_ids,
+            pad_id=int(s.pad_id),
             cache_size=size,
-            kv_buckets=int(kv_buckets),
+            kv_buckets=s.kv_buckets,
             row_groups=groups,
         )
 
@@ -361,31 +392,8 @@ def _check_buffer(prompt_len: int, max_new_tokens: int, cache_size: int) -> None
 
 
 @functools.lru_cache(maxsize=64)
-def _jitted(
-    config,
-    max_new_tokens,
-    temperature,
-    top_k,
-    top_p,
-    eos_ids,
-    pad_id,
-    cache_size,
-    kv_buckets,
-    row_groups,
-):
-    fn = make_generate_fn(
-        config,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_ids=eos_ids,
-        pad_id=pad_id,
-        cache_size=cache_size,
-        kv_buckets=kv_buckets,
-        row_groups=row_groups,
-    )
-    return jax.jit(fn)
+def _jitted(config: ModelConfig, sampling: SamplingConfig):
+    return jax.jit(make_generate_fn(config, sampling))
 
 
 def generate(
@@ -394,16 +402,8 @@ def generate(
     prompts: jax.Array,
     prompt_mask: jax.Array,
     key: jax.Array,
-    *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_ids: Sequence[int] = (),
-    pad_id: int = 0,
-    cache_size: int | None = None,
-    kv_buckets: int = 4,
-    row_groups: int | None = None,
+    sampling: SamplingConfig | None = None,
+    **options,
 ) -> Rollout:
     """Samples up to `max_new_tokens` tokens per prompt in one compiled program.
 
@@ -426,6 +426,7 @@ def generate(
       prompts: [B, Lp] int token ids, LEFT-padded.
       prompt_mask: [B, Lp] bool, True at real prompt tokens (a suffix of each row).
       key: PRNG key.
+      sampling: a `SamplingConfig`, or its fields as keyword arguments:
       max_new_tokens: T, the completion buffer length.
       temperature: >= 0; 0 = greedy.
       top_k: 0 = off, else keep the k most likely tokens (1 == greedy).
@@ -458,10 +459,8 @@ def generate(
         raise ValueError("generate: empty batch (B == 0)")
     if lp == 0:
         raise ValueError("generate: empty prompts (Lp == 0); give at least one token (e.g. BOS)")
-    eos_ids = tuple(int(e) for e in eos_ids)
-    _check_options(config, max_new_tokens, temperature, top_k, top_p, eos_ids, pad_id)
-    size = lp + max_new_tokens if cache_size is None else int(cache_size)
-    _check_buffer(lp, max_new_tokens, size)
+    s = _sampling(sampling, options)
+    s.check(config, lp)
     if not isinstance(prompt_mask, jax.core.Tracer) and not isinstance(prompts, jax.core.Tracer):
         m = np.asarray(prompt_mask).astype(bool)
         if not m.any(axis=1).all():
@@ -477,16 +476,5 @@ def generate(
             raise ValueError(
                 f"generate: prompt token ids outside the vocab [0, {config.vocab_size})"
             )
-    fn = _jitted(
-        config,
-        max_new_tokens,
-        float(temperature),
-        int(top_k),
-        float(top_p),
-        eos_ids,
-        int(pad_id),
-        size,
-        int(kv_buckets),
-        row_groups,
-    )
+    fn = _jitted(config, s)
     return fn(params, prompts, prompt_mask, key)

@@ -12,11 +12,17 @@ the `TrainState` and are checkpointed with it::
         keep_top_tokens(fraction=0.5),                        # D3S tokens
     )
     state = estimator.init(rollouts)
-    rollouts, state = estimator.apply(rollouts, state, step)  # jit-able
+    rollouts, state = estimator.apply(rollouts, state)  # jit-able, once per RL step
 
 Every transform reads only the *active* members (valid, sample weight > 0), writes
 `scores`, `advantages`, `sample_weight` or `token_weight`, and is also available as
 the plain array function it wraps (`advantages.py`, `downsample.py`).
+
+A transform that follows a schedule counts its own applications in its state, as optax's
+schedules count updates: the count is RL steps (one `apply` per batch of rollouts), not
+optimizer steps, whatever the number of PPO epochs or mini-batches. A transform also
+declares the optional `Rollouts` fields it reads (`needs`, e.g. {"entropy"}), so the
+trainer computes exactly those and never re-derives the chain's configuration.
 """
 
 from __future__ import annotations
@@ -38,37 +44,55 @@ class EmptyState(NamedTuple):
     """State of a transform that keeps none."""
 
 
+class CountState(NamedTuple):
+    """State of a scheduled transform: how many times it has been applied."""
+
+    count: Any  # int32[] applications so far (RL steps)
+
+
+# Optional `Rollouts` fields a transform may declare in `needs`.
+NEEDS = ("entropy",)
+
+
 class RolloutTransform(NamedTuple):
-    """`init(rollouts) -> state`; `apply(rollouts, state, step) -> (rollouts, state)`."""
+    """`init(rollouts) -> state`; `apply(rollouts, state) -> (rollouts, state)`.
+
+    `needs`: the optional `Rollouts` fields (from `NEEDS`) that `apply` reads, which
+    the caller must fill (e.g. "entropy": per-token policy entropy, an extra forward pass).
+    """
 
     init: Callable[[Rollouts], Any]
-    apply: Callable[[Rollouts, Any, Any], tuple[Rollouts, Any]]
+    apply: Callable[[Rollouts, Any], tuple[Rollouts, Any]]
+    needs: frozenset = frozenset()
 
 
-def stateless(fn: Callable[[Rollouts, Any], Rollouts]) -> RolloutTransform:
-    """Wraps `fn(rollouts, step) -> rollouts` as a transform with `EmptyState`."""
+def stateless(fn: Callable[[Rollouts], Rollouts], needs=frozenset()) -> RolloutTransform:
+    """Wraps `fn(rollouts) -> rollouts` as a transform with `EmptyState`."""
     return RolloutTransform(
         init=lambda rollouts: EmptyState(),
-        apply=lambda rollouts, state, step: (fn(rollouts, step), state),
+        apply=lambda rollouts, state: (fn(rollouts), state),
+        needs=frozenset(needs),
     )
 
 
 def chain(*transforms: RolloutTransform) -> RolloutTransform:
-    """Applies `transforms` in order; the state is the tuple of their states."""
+    """Applies `transforms` in order; the state is the tuple of their states and the
+    needs are the union of theirs."""
 
     def init(rollouts):
         return tuple(t.init(rollouts) for t in transforms)
 
-    def apply(rollouts, state, step):
+    def apply(rollouts, state):
         if len(state) != len(transforms):
             raise ValueError(f"state: expected {len(transforms)} entries, got {len(state)}")
         new_state = []
         for t, s in zip(transforms, state, strict=True):
-            rollouts, s = t.apply(rollouts, s, step)
+            rollouts, s = t.apply(rollouts, s)
             new_state.append(s)
         return rollouts, tuple(new_state)
 
-    return RolloutTransform(init, apply)
+    needs = frozenset().union(*(t.needs for t in transforms))
+    return RolloutTransform(init, apply, needs)
 
 
 def combine_rewards(
@@ -81,7 +105,7 @@ def combine_rewards(
     "dr_grpo")`) or `group_advantages("identity")` to use it as the advantage directly.
     """
 
-    def fn(r: Rollouts, step):
+    def fn(r: Rollouts):
         k = r.rewards.shape[-1]
         w = jnp.ones((k,), jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
         if w.shape != (k,):
@@ -99,7 +123,7 @@ def shape_overlong(*, max_len: int, buffer: int, factor: float = 1.0) -> Rollout
     """Adds DAPO's soft overlong penalty (`advantages.overlong_penalty`) to `scores`."""
     adv_lib.overlong_penalty(0, max_len=max_len, buffer=buffer, factor=factor)  # validates
 
-    def fn(r: Rollouts, step):
+    def fn(r: Rollouts):
         if r.lengths is None:
             raise ValueError("lengths: shape_overlong needs Rollouts.lengths")
         pen = adv_lib.overlong_penalty(r.lengths, max_len=max_len, buffer=buffer, factor=factor)
@@ -147,7 +171,7 @@ def group_advantages(kind: str = "grpo", **hparams) -> RolloutTransform:
     _check_hparams(f"group_advantages({kind!r})", fn, fixed, hparams)
     kwargs = {**fixed, **hparams}
 
-    def apply(r: Rollouts, step):
+    def apply(r: Rollouts):
         out = fn(r.scores, r.active, **kwargs)
         if kind == "median":
             out, pivot = out
@@ -160,7 +184,7 @@ def group_advantages(kind: str = "grpo", **hparams) -> RolloutTransform:
 def drop_uninformative_groups() -> RolloutTransform:
     """Zeroes the sample weight of groups whose active scores are all equal (DAPO)."""
 
-    def fn(r: Rollouts, step):
+    def fn(r: Rollouts):
         keep = downsample.informative_groups(r.scores, r.active)
         return r.replace(sample_weight=r.sample_weight * keep[:, None])
 
@@ -173,7 +197,7 @@ def mask_truncated() -> RolloutTransform:
     Their rewards still entered the group statistics if this runs after the estimator.
     """
 
-    def fn(r: Rollouts, step):
+    def fn(r: Rollouts):
         if r.truncated is None:
             raise ValueError("truncated: mask_truncated needs Rollouts.truncated")
         return r.replace(sample_weight=jnp.where(r.truncated, 0.0, r.sample_weight))
@@ -192,7 +216,7 @@ def keep_max_variance_rollouts(k: int, *, score: str = "scores") -> RolloutTrans
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k: expected a positive int, got {k!r}")
 
-    def fn(r: Rollouts, step):
+    def fn(r: Rollouts):
         keep = downsample.max_variance_subset(getattr(r, score), k, r.active)
         return r.replace(sample_weight=jnp.where(keep, r.sample_weight, 0.0))
 
@@ -207,11 +231,14 @@ def keep_top_tokens(
 ) -> RolloutTransform:
     """Keeps the top `fraction` of the batch's active tokens by `score` (D3S tokens).
 
-    `fraction` is a float in (0, 1], a schedule `step -> fraction` (e.g.
+    `fraction` is a float in (0, 1], a schedule `count -> fraction` (e.g.
     `functools.partial(downsample.keep_fraction, start=0.2, end=1.0, steps=100)`), or the
-    keyword arguments of `downsample.keep_fraction` as a dict (for configs).
+    keyword arguments of `downsample.keep_fraction` as a dict (for configs). A schedule
+    is evaluated at the transform's own count of applications (`CountState`), i.e. at
+    the RL step, starting from 0.
     Scores: "adv_x_entropy" = |A| * H_t (D3S), "entropy" = H_t (the 80/20 high-entropy
-    minority of "Beyond the 80/20 Rule"), "abs_adv" = |A|.
+    minority of "Beyond the 80/20 Rule"), "abs_adv" = |A|. The entropy scores declare
+    `needs={"entropy"}`.
     """
     check_choice("score", score, TOKEN_SCORES)
     if isinstance(fraction, Mapping):  # a schedule spelled out in a config
@@ -219,8 +246,9 @@ def keep_top_tokens(
         fraction(0)  # validates the schedule's arguments now
     if not callable(fraction) and not 0 < fraction <= 1:
         raise ValueError(f"fraction: expected a value in (0, 1] or a schedule, got {fraction!r}")
+    needs = frozenset() if score == "abs_adv" else frozenset({"entropy"})
 
-    def fn(r: Rollouts, step):
+    def select(r: Rollouts, f) -> Rollouts:
         weights = r.loss_weights()
         if score != "abs_adv" and r.entropy is None:
             raise ValueError(f"entropy: keep_top_tokens(score={score!r}) needs Rollouts.entropy")
@@ -231,11 +259,19 @@ def keep_top_tokens(
             s = r.entropy
         else:
             s = abs_adv
-        f = fraction(step) if callable(fraction) else fraction
         keep = downsample.top_token_mask(s, weights > 0, f)
         return r.replace(token_weight=jnp.where(keep, r.token_weight, 0.0))
 
-    return stateless(fn)
+    if not callable(fraction):
+        return stateless(lambda r: select(r, fraction), needs)
+
+    def init(rollouts):
+        return CountState(count=jnp.zeros((), jnp.int32))
+
+    def apply(r: Rollouts, state: CountState):
+        return select(r, fraction(state.count)), CountState(count=state.count + 1)
+
+    return RolloutTransform(init, apply, needs)
 
 
 # name -> constructor, for configs: [("group_advantages", {"kind": "grpo"}), ...].

@@ -123,7 +123,7 @@ def test_grpo_pushes_probability_toward_the_rewarded_token():
         ro = gen(state.params, rows, mask, jax.random.key(i))
         rewards = (ro.tokens[:, 0] == 7).astype(jnp.float32).reshape(4, group)
         rollouts = jrl.Rollouts.create(rewards, token_mask=ro.completion_mask.reshape(4, group, 1))
-        rollouts, _ = estimator.apply(rollouts, estimator.init(rollouts), i)
+        rollouts, _ = estimator.apply(rollouts, estimator.init(rollouts))
         batch = ts.TrainBatch(
             tokens=jnp.concatenate([rows, ro.tokens], 1),
             attention_mask=jnp.ones((4 * group, 3), bool),

@@ -72,9 +72,9 @@ def split_layers(params: Params, fuse: bool = False) -> Params:
 
     Cached (decoding) calls accept either form; a decode loop should split once,
     outside the loop, so each step does not re-slice every weight out of the stack.
-    With fuse=True each layer also gets "qkv" [D, (N + 2K) H] and "gate_up" [D, 2F]
-    concatenations (and loses q/k/v/gate/up): one wide matmul instead of three or two,
-    which is faster for the small per-step matmuls of decoding.
+    With fuse=True each layer also gets "qkv" [D, K, G + 2, H] and "gate_up" [D, 2, F]
+    (stacked, see `_fuse_layer`; q/k/v/gate/up are dropped): one wide matmul instead of
+    three or two, which is faster for the small per-step matmuls of decoding.
     """
     layers = params["layers"]
     if not isinstance(layers, tuple | list):
@@ -86,16 +86,25 @@ def split_layers(params: Params, fuse: bool = False) -> Params:
 
 
 def _fuse_layer(lp: Params) -> Params:
+    """Stacks q/k/v and gate/up on new axes (never concatenates along a sharded one).
+
+    "qkv" [D, K, G + 2, H]: for each kv head, its G query heads, then its key and its
+    value; "gate_up" [D, 2, F]. The kv-head and mlp axes keep their positions, so a
+    tensor-sharded layer fuses shard by shard (each shard's q heads stay beside their
+    own k/v heads, gate beside up) with no communication.
+    """
     if "qkv" in lp:
         return lp
     lp = dict(lp)
-    d = lp["q"].shape[0]
-    parts = [lp.pop(name).reshape(d, -1) for name in ("q", "k", "v")]
-    lp["qkv"] = jnp.concatenate(parts, axis=-1)
+    d, n, h = lp["q"].shape
+    k = lp["k"].shape[1]
+    q = lp.pop("q").reshape(d, k, n // k, h)  # [D, K, G, H]: head n = kv head n // G
+    lp["qkv"] = jnp.concatenate([q, lp.pop("k")[:, :, None], lp.pop("v")[:, :, None]], axis=2)
     if "q_bias" in lp:
-        bias = [lp.pop(name).reshape(-1) for name in ("q_bias", "k_bias", "v_bias")]
-        lp["qkv_bias"] = jnp.concatenate(bias)
-    lp["gate_up"] = jnp.concatenate([lp.pop("gate"), lp.pop("up")], axis=-1)
+        qb = lp.pop("q_bias").reshape(k, n // k, h)
+        kb, vb = lp.pop("k_bias")[:, None], lp.pop("v_bias")[:, None]
+        lp["qkv_bias"] = jnp.concatenate([qb, kb, vb], axis=1)  # [K, G + 2, H]
+    lp["gate_up"] = jnp.stack([lp.pop("gate"), lp.pop("up")], axis=1)  # [D, 2, F]
     return lp
 
 
@@ -266,8 +275,9 @@ def _dense(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
 
 def _mlp(x: jax.Array, lp: Params, config: ModelConfig) -> jax.Array:
     """Gated MLP: (act(x W_gate) * (x W_up)) W_down; x [B, L, D] -> [B, L, D]."""
-    if "gate_up" in lp:  # fused by split_layers(fuse=True)
-        gate, up = jnp.split(_dense(x, lp["gate_up"], 1), 2, axis=-1)
+    if "gate_up" in lp:  # fused by split_layers(fuse=True): [D, 2, F]
+        gate_up = _dense(x, lp["gate_up"], 1)  # [B, L, 2, F]
+        gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
     else:
         gate = _dense(x, lp["gate"], 1)
         up = _dense(x, lp["up"], 1)
@@ -298,12 +308,13 @@ def _block(
     dt = x.dtype
     y = rms_norm(x, lp["attn_norm"], config)
     n, nkv, hd = config.n_heads, config.n_kv_heads, config.head_dim
-    if "qkv" in lp:  # fused by split_layers(fuse=True)
-        qkv = _dense(y, lp["qkv"], 1)  # [B, L, (N + 2K) H]
+    if "qkv" in lp:  # fused by split_layers(fuse=True): [D, K, G + 2, H]
+        qkv = _dense(y, lp["qkv"], 1)  # [B, L, K, G + 2, H]
         if config.qkv_bias:
             qkv = qkv + lp["qkv_bias"].astype(dt)
-        qkv = qkv.reshape(*qkv.shape[:2], n + 2 * nkv, hd)
-        q, k, v = qkv[:, :, :n], qkv[:, :, n : n + nkv], qkv[:, :, n + nkv :]
+        g = n // nkv
+        q = qkv[:, :, :, :g].reshape(*qkv.shape[:2], n, hd)  # [B, L, N, H]
+        k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]  # [B, L, K, H] each
     else:
         q = _dense(y, lp["q"], 1)  # [B, L, N, H]
         k = _dense(y, lp["k"], 1)  # [B, L, K, H]
