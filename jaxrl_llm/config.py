@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from jaxrl_llm import transforms
+from jaxrl_llm import sharding, transforms
 from jaxrl_llm.data.tasks import SPLITS
 from jaxrl_llm.data.templates import TEMPLATES
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards import REWARDS
+from jaxrl_llm.sampler import SamplingConfig
 from jaxrl_llm.train_step import LossConfig
 from jaxrl_llm.types import Rollouts
 
@@ -118,6 +119,12 @@ def base_config() -> ml_collections.ConfigDict:
             max_grad_norm=1.0,
         )
     )
+    # The device mesh: sizes of the data, fsdp and tensor axes (one may be -1 = the
+    # remaining devices) and the ordered logical-axis rules that map parameter, activation
+    # and KV-cache axis names onto them (flax's logical_to_mesh semantics, see sharding.py).
+    c.mesh = ml_collections.ConfigDict(
+        dict(data=-1, fsdp=1, tensor=1, rules=sharding.DEFAULT_RULES)
+    )
     c.train = ml_collections.ConfigDict(
         dict(
             steps=300,
@@ -126,7 +133,12 @@ def base_config() -> ml_collections.ConfigDict:
             pass_k=4,
             eval_temperature=1.0,
             log_every=1,
-            checkpoint_every=0,  # 0 = only at the end
+            # Bounds the work a crash can lose (~25 s of the quickstart on a 2-core CPU);
+            # there is always a save at the end and on SIGTERM / SIGINT. 0 = only those.
+            checkpoint_every=50,
+            # Layer-scan rematerialization of the update: none | full | a jax.checkpoint
+            # policy name (models.REMAT).
+            remat="none",
             progress=True,
         )
     )
@@ -151,7 +163,7 @@ def _fail(key: str, message: str):
 
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
     try:
-        model = ModelConfig(**c.model.to_dict())
+        model = ModelConfig(**c.model.to_dict(), remat=c.train.remat)
     except (TypeError, ValueError) as e:
         raise ValueError(f"config.model: {e}") from None
     if model.param_dtype != "float32":
@@ -172,6 +184,34 @@ def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
     except (TypeError, ValueError) as e:
         msg = str(e)
         raise ValueError(msg if msg.startswith("loss.") else f"config.loss: {msg}") from None
+
+
+def sampling_config(c: ml_collections.ConfigDict, eos_id: int, pad_id: int) -> SamplingConfig:
+    """The training sampler's options; greedy and evaluation sampling are `.replace(...)`."""
+    s = c.sampling
+    try:
+        return SamplingConfig(
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            eos_ids=(eos_id,),
+            pad_id=pad_id,
+        )
+    except ValueError as e:
+        raise ValueError(f"config.sampling: {e}") from None
+
+
+def mesh_sizes(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+    """{data, fsdp, tensor} with a -1 resolved against `num_devices`."""
+    m = c.mesh
+    sizes = sharding.mesh_shape(m.data, m.fsdp, m.tensor, num_devices)
+    return dict(zip(sharding.MESH_AXES, sizes, strict=True))
+
+
+def make_mesh(c: ml_collections.ConfigDict):
+    """The run's `jax.sharding.Mesh` over all devices (every process's)."""
+    return sharding.make_mesh(**mesh_sizes(c, jax.device_count()))
 
 
 def resolve_checkpoint(spec: str) -> pathlib.Path | None:
@@ -218,7 +258,7 @@ def _check_chain_shapes(c: ml_collections.ConfigDict) -> None:
     chain = transforms.from_spec([(name, dict(kw)) for name, kw in c.rl.transforms])
     ex = example_rollouts(c)
     try:
-        jax.eval_shape(chain.apply, ex, chain.init(ex), 0)
+        jax.eval_shape(chain.apply, ex, chain.init(ex))
     except (TypeError, ValueError) as e:
         _fail("rl.transforms", str(e))
 
@@ -282,6 +322,22 @@ def validate(c: ml_collections.ConfigDict) -> None:
         _fail("train.pass_k", f"expected 1 <= pass_k <= eval_samples={t.eval_samples}")
     if c.optim.learning_rate <= 0:
         _fail("optim.learning_rate", f"expected > 0, got {c.optim.learning_rate}")
+    sizes = mesh_sizes(c, jax.device_count())
+    sharding.validate_mesh(
+        sizes,
+        n_heads=c.model.n_heads,
+        n_kv_heads=c.model.n_kv_heads,
+        rows=rl.prompts_per_step * rl.group_size,
+        num_devices=jax.device_count(),
+    )
+    for i, rule in enumerate(c.mesh.rules):
+        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
+            _fail(f"mesh.rules[{i}]", f"expected (logical name, mesh axes), got {rule!r}")
+    if rl.prompts_per_step % jax.process_count():
+        _fail(
+            "rl.prompts_per_step",
+            f"{rl.prompts_per_step} prompts do not split over {jax.process_count()} processes",
+        )
     ckpt = resolve_checkpoint(c.init.checkpoint)
     if ckpt is not None and not ckpt.exists():
         _fail("init.checkpoint", f"{c.init.checkpoint!r}: no file at {ckpt}")

@@ -11,6 +11,7 @@ of a mini-batch is sum(totals) / sum(denominators) over its micro-batches (see
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +169,17 @@ def loss_terms(params, model: ModelConfig, cfg: LossConfig, batch: TrainBatch):
     return total, sums
 
 
+def _strided_split(x: jax.Array, n: int) -> jax.Array:
+    """[R, ...] -> [n, R / n, ...], part j = rows j, j + n, j + 2n, ...
+
+    Strided, not contiguous: on a mesh that splits rows into contiguous blocks, every
+    part then has the same number of rows on every device, so a scan over the parts
+    keeps all devices busy and moves no rows. The loss does not depend on the partition
+    (sums of (total, denominator) pairs, see `losses.aggregate`).
+    """
+    return x.reshape(-1, n, *x.shape[1:]).swapaxes(0, 1)
+
+
 def make_train_step(model: ModelConfig, cfg: LossConfig, optimizer: optax.GradientTransformation):
     """Builds `step(state, batch) -> (state, metrics)` (pure; jit it).
 
@@ -186,7 +198,7 @@ def make_train_step(model: ModelConfig, cfg: LossConfig, optimizer: optax.Gradie
             jnp.zeros_like(mb.loss_weights), mb.loss_weights, cfg.aggregation, max_len=cfg.max_len
         )
         denom = jnp.maximum(denom, 1e-8)  # an all-masked mini-batch gives a zero update
-        micro = jax.tree.map(lambda x: x.reshape(n_micro, -1, *x.shape[1:]), mb)
+        micro = jax.tree.map(functools.partial(_strided_split, n=n_micro), mb)
 
         def accumulate(acc, mic):
             grads, sums = acc
@@ -219,7 +231,7 @@ def make_train_step(model: ModelConfig, cfg: LossConfig, optimizer: optax.Gradie
                 # and a gather across a batch-sharded mesh would move every row.
                 perm = jax.random.permutation(key, rows)
                 shuffled = jax.tree.map(lambda x: x[perm], batch)
-            mbs = jax.tree.map(lambda x: x.reshape(cfg.num_minibatches, -1, *x.shape[1:]), shuffled)
+            mbs = jax.tree.map(functools.partial(_strided_split, n=cfg.num_minibatches), shuffled)
             return jax.lax.scan(minibatch_update, carry, mbs)
 
         (params, opt_state), metrics = jax.lax.scan(epoch, (state.params, state.opt_state), keys)

@@ -30,14 +30,16 @@ def rejects(monkeypatch, tmp_path):
     """`rejects(config, key, *fragments)` -> the message.
 
     `train_and_evaluate` must raise ValueError naming `key` (and containing `fragments`)
-    from the Trainer's constructor, which only builds jit wrappers: reaching the loop,
-    where the first compilation happens, fails the test.
+    from `trainer.setup`, which only builds jit wrappers: a setup that returns (the loop,
+    where the first compilation happens, would come next) fails the test.
     """
+    setup = trainer.setup
 
-    def reached_loop(self):
+    def accepted(config):
+        setup(config)
         raise AssertionError("the config was accepted: the trainer reached its loop")
 
-    monkeypatch.setattr(trainer.Trainer, "run", reached_loop)
+    monkeypatch.setattr(trainer, "setup", accepted)
 
     def check(config, key: str, *fragments: str) -> str:
         workdir = tmp_path / "run"

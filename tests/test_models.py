@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import models
-from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models import ModelConfig, partitioning
 from jaxrl_llm.models import transformer as tf
 
 # Jitted entry points (config static): eager mode would compile every primitive separately.
@@ -325,9 +325,19 @@ def test_logical_constraint_is_identity_without_rules_and_applies_with_rules():
     tokens, mask = _left_padded_batch(config, [3, 3], 3)
     pos = models.positions_from_mask(mask)
     ref, _ = forward(params, config, tokens, pos, mask)
-    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    with jax.set_mesh(mesh), models.logical_axis_rules([("batch", "data")]):
+    seen = []
+
+    def record(a, names):
+        seen.append(tuple(names))
+        return a
+
+    token = partitioning.set_constrain(record)
+    try:
         out, _ = jax.jit(models.forward, static_argnums=1)(params, config, tokens, pos, mask)
+        with pytest.raises(ValueError, match="names"):
+            models.with_logical_constraint(x, ("batch",))
+    finally:
+        partitioning.reset_constrain(token)
     np.testing.assert_allclose(out, ref, atol=1e-6)
-    with models.logical_axis_rules([("batch", "data")]), pytest.raises(ValueError, match="names"):
-        models.with_logical_constraint(x, ("batch",))
+    assert ("batch", "length", "embed") in seen and ("batch", "length", "mlp") in seen
+    assert models.with_logical_constraint(x, ("batch", "length", "embed")) is x  # reset

@@ -3,7 +3,6 @@
 from jaxrl_llm.models.config import ACTIVATIONS, DTYPES, ModelConfig
 from jaxrl_llm.models.partitioning import (
     LOGICAL_AXES,
-    logical_axis_rules,
     with_logical_constraint,
 )
 from jaxrl_llm.models.transformer import (
@@ -33,7 +32,6 @@ __all__ = [
     "hidden_states",
     "init_cache",
     "init_params",
-    "logical_axis_rules",
     "logps_and_entropy_from_logits",
     "param_logical_axes",
     "positions_from_mask",

@@ -14,6 +14,15 @@ import jax.numpy as jnp
 # Activation names -> the gated MLP they select (see `transformer._mlp`).
 ACTIVATIONS = ("swiglu", "geglu")
 # Dtypes are stored by name so the config stays hashable, printable and serializable.
+# Layer-scan rematerialization: none, full, or a `jax.checkpoint_policies` policy by name.
+REMAT = (
+    "none",
+    "full",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "nothing_saveable",
+    "everything_saveable",
+)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -40,6 +49,10 @@ class ModelConfig:
       param_dtype: storage dtype of the parameters.
       dtype: compute dtype of activations and matmuls; norms, softmax and log-probs
         are always float32.
+      remat: what the layer scan of a training forward saves for the backward pass:
+        "none" (everything), "full" (only each layer's input; recompute the rest), or
+        the name of a `jax.checkpoint_policies` policy (e.g. "dots_saveable",
+        "dots_with_no_batch_dims_saveable"). Decoding ignores it.
     """
 
     vocab_size: int
@@ -58,6 +71,7 @@ class ModelConfig:
     embed_scale: bool = False
     param_dtype: str = "float32"
     dtype: str = "float32"
+    remat: str = "none"
 
     def __post_init__(self):
         for name in (
@@ -76,6 +90,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.n_kv_heads={self.n_kv_heads} must divide "
                 f"n_heads={self.n_heads} (grouped-query attention)"
+            )
+        if self.remat not in REMAT:
+            raise ValueError(
+                f"ModelConfig.remat: unknown value {self.remat!r}; allowed: {', '.join(REMAT)}"
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")

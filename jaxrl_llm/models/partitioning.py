@@ -1,20 +1,19 @@
-"""Logical-axis sharding hook for activations: a no-op until a rules context is active.
+"""Logical-axis annotations for activations: a no-op until a sharding context is active.
 
-The model annotates a few activations with logical axis names ("batch", "length",
-"embed", ...). The sharding module (a later issue) maps those names onto mesh axes by
-entering `logical_axis_rules(...)` around tracing; without it nothing happens, so the
-model's maths stays free of `jax.sharding`.
+The model annotates a few activations (and the KV cache) with logical axis names
+("batch", "length", "embed", ...). `jaxrl_llm.sharding.with_rules(mesh, rules)` installs
+a constrain function here while tracing, which maps the names onto mesh axes; without it
+nothing happens, so the model's maths never imports `jax.sharding`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 
-# Logical axis names used by `param_logical_axes` and activation annotations.
+# Logical axis names used by `param_logical_axes`, activation and cache annotations.
 LOGICAL_AXES = (
     "batch",
     "length",
@@ -25,30 +24,27 @@ LOGICAL_AXES = (
     "head_dim",
     "vocab",
     "layers",
+    "stack",
 )
 
-_RULES: contextvars.ContextVar[dict[str, object] | None] = contextvars.ContextVar(
-    "jaxrl_llm_logical_axis_rules", default=None
+Constrain = Callable[[jax.Array, Sequence[str | None]], jax.Array]
+_CONSTRAIN: contextvars.ContextVar[Constrain | None] = contextvars.ContextVar(
+    "jaxrl_llm_constrain", default=None
 )
 
 
-@contextlib.contextmanager
-def logical_axis_rules(rules: Sequence[tuple[str, object]]) -> Iterator[None]:
-    """Activates `rules` ((logical name, mesh axis or None), ...) while tracing.
+def set_constrain(fn: Constrain | None) -> contextvars.Token:
+    """Installs `fn(x, names) -> x` as the annotation hook; returns a token for reset."""
+    return _CONSTRAIN.set(fn)
 
-    Inside the context `with_logical_constraint` emits `with_sharding_constraint` with
-    `PartitionSpec(rules[name] for name in names)`; a mesh must then be set (e.g.
-    `jax.set_mesh`). Names absent from `rules` are replicated.
-    """
-    token = _RULES.set(dict(rules))
-    try:
-        yield
-    finally:
-        _RULES.reset(token)
+
+def reset_constrain(token: contextvars.Token) -> None:
+    """Restores the hook that was active before `set_constrain` returned `token`."""
+    _CONSTRAIN.reset(token)
 
 
 def with_logical_constraint(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Constrains the sharding of `x` by logical axis names; identity without rules.
+    """Constrains the sharding of `x` by logical axis names; identity without a context.
 
     Args:
       x: any array, e.g. hidden states [B, L, D].
@@ -57,13 +53,9 @@ def with_logical_constraint(x: jax.Array, names: Sequence[str | None]) -> jax.Ar
     Returns:
       `x`, possibly with a sharding constraint attached.
     """
-    rules = _RULES.get()
-    if rules is None:
+    fn = _CONSTRAIN.get()
+    if fn is None:
         return x
     if len(names) != x.ndim:
         raise ValueError(f"with_logical_constraint: {len(names)} names for a {x.ndim}-d array")
-    # Imported lazily so the model's maths does not depend on jax.sharding.
-    from jax.sharding import PartitionSpec
-
-    spec = PartitionSpec(*(rules.get(n) if n is not None else None for n in names))
-    return jax.lax.with_sharding_constraint(x, spec)
+    return fn(x, names)

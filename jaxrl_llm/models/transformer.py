@@ -396,6 +396,11 @@ def hidden_states(
             x, _ = _block(x, lp, config, sin, cos, mask, None, None)
             return x, None
 
+        if config.remat == "full":
+            body = jax.checkpoint(body)
+        elif config.remat != "none":
+            body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, config.remat))
+
         # Unrolled: the rolled loop's backward pass spends a third of its time stacking
         # and slicing saved activations on CPU (benchmarks/grpo_step.py: update 0.51 ->
         # 0.39 s); the unrolled gradient is bit-identical.

@@ -1,0 +1,363 @@
+"""The RL step as a few pure, sharded stages, built once per run and shared by the trainer,
+the evaluation and the benchmarks (one code path).
+
+    prompts [N, Lp] --generate--> Rollout --rollouts_to_batch--> TrainBatch
+    host: decode + reward functions on each process's own rows -> rewards [N, K]
+    policy passes (entropy / recomputed old log-probs / reference log-probs), as needed
+    transform chain -> advantages, loss weights --update--> TrainState
+
+`build_stages(...)` jits each stage once with `in_shardings` / `out_shardings` over the
+run's mesh (rows over the "batch" rule's axes, parameters by their logical names) and
+donation where a buffer is consumed; tracing happens inside `sharding.with_rules`, so the
+model's activation annotations and the KV cache follow the same rule table.
+Host-side pieces (`local_rows`, `to_global`, `to_host`) move arrays between a process's
+own rows and the global, mesh-sharded arrays the compiled stages see; on one process they
+are plain transfers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.experimental import multihost_utils
+
+from jaxrl_llm import rewards as rewards_lib
+from jaxrl_llm import sharding
+from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
+from jaxrl_llm.sampler import Rollout, SamplingConfig, make_generate_fn
+from jaxrl_llm.train_step import (
+    LossConfig,
+    TrainBatch,
+    TrainState,
+    completion_logps,
+    make_train_step,
+)
+from jaxrl_llm.transforms import RolloutTransform
+from jaxrl_llm.types import Rollouts
+
+
+@struct.dataclass
+class Scored:
+    """A sampled and scored batch of N = P * G rollouts (group-major), on the mesh."""
+
+    batch: TrainBatch  # advantages 0, loss weights = completion mask
+    rewards: jax.Array  # float32[N, K], NaN = the reward function failed
+    truncated: jax.Array  # bool[N] no EOS within T tokens
+
+
+def rollouts_to_batch(prompts: jax.Array, prompt_mask: jax.Array, rollout: Rollout) -> TrainBatch:
+    """The train batch of sampled completions, before the transform chain.
+
+    Args:
+      prompts: int32[N, Lp] left-padded; prompt_mask: bool[N, Lp].
+      rollout: the sampler's output for those prompts ([N, T] fields).
+    Returns:
+      TrainBatch with tokens [N, Lp + T] = prompt then completion, attention mask likewise,
+      loss weights = completion mask (float), old log-probs = the sampler's (0 past EOS),
+      advantages and reference log-probs 0 (the chain and the reference pass fill them).
+    """
+    mask = rollout.completion_mask
+    n, t = mask.shape
+    return TrainBatch(
+        tokens=jnp.concatenate([prompts.astype(jnp.int32), rollout.tokens], axis=1),
+        attention_mask=jnp.concatenate([prompt_mask.astype(bool), mask], axis=1),
+        loss_weights=mask.astype(jnp.float32),
+        advantages=jnp.zeros((n,), jnp.float32),
+        old_logps=jnp.where(mask, rollout.logps, 0.0),
+        ref_logps=jnp.zeros((n, t), jnp.float32),
+    )
+
+
+def make_rollouts(scored: Scored, group_size: int, entropy: jax.Array | None) -> Rollouts:
+    """`Rollouts` [P, G, ...] of a scored batch, for the transform chain."""
+    b = scored.batch
+    n, t = b.loss_weights.shape
+    p = n // group_size
+    return Rollouts.create(
+        scored.rewards.reshape(p, group_size, -1),  # [P, G, K]
+        token_mask=b.loss_weights.reshape(p, group_size, t),
+        entropy=None if entropy is None else entropy.reshape(p, group_size, t),
+        lengths=jnp.sum(b.loss_weights > 0, axis=-1, dtype=jnp.int32).reshape(p, group_size),
+        truncated=scored.truncated.reshape(p, group_size),
+    )
+
+
+def apply_chain(
+    chain: RolloutTransform,
+    group_size: int,
+    scored: Scored,
+    transform_state: Any,
+    entropy: jax.Array | None = None,
+) -> tuple[TrainBatch, Rollouts, Any]:
+    """Runs the transform chain and writes advantages and loss weights into the batch."""
+    ro, transform_state = chain.apply(make_rollouts(scored, group_size, entropy), transform_state)
+    n, t = scored.batch.loss_weights.shape
+    batch = scored.batch.replace(
+        advantages=ro.advantages.reshape(n), loss_weights=ro.loss_weights().reshape(n, t)
+    )
+    return batch, ro, transform_state
+
+
+def trained_groups(
+    chain: RolloutTransform, group_size: int, scored: Scored, transform_state: Any
+) -> jax.Array:
+    """bool[P]: the groups the chain would train on (some member with a positive sample
+    weight and a non-zero advantage) — DAPO's dynamic-sampling criterion, taken from the
+    chain itself. The chain's state is not advanced. Token-level selections (which may
+    need the policy's entropy) are not part of the criterion: they run once, on the final
+    batch."""
+    entropy = None
+    if "entropy" in chain.needs:
+        entropy = jnp.zeros_like(scored.batch.loss_weights)
+    _, ro, _ = apply_chain(chain, group_size, scored, transform_state, entropy)
+    return jnp.any((ro.sample_weight > 0) & (ro.advantages != 0), axis=-1)
+
+
+def select_groups(scored: Scored, groups: jax.Array, group_size: int) -> Scored:
+    """The rows of `groups` (int32[P'], group indices), in that order."""
+    rows = (groups[:, None] * group_size + jnp.arange(group_size)).reshape(-1)
+    return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), scored)
+
+
+def concat(parts: Sequence[Scored]) -> Scored:
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
+
+
+# ------------------------------------------------------------------------------ host side
+
+
+def to_host_tree(tree):
+    """`to_host` of every leaf."""
+    return jax.tree.map(to_host, tree)
+
+
+def to_host(x) -> np.ndarray:
+    """The whole (global) array on this host; gathers across processes when needed."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+    """This process's rows of a batch-sharded global array, in row order."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    shards = {s.index[0].start or 0: s for s in x.addressable_shards}  # replicas collapse
+    return np.concatenate([np.asarray(shards[k].data) for k in sorted(shards)], axis=0)
+
+
+def to_global(local: np.ndarray, sharding_: jax.sharding.NamedSharding) -> jax.Array:
+    """A global array from each process's rows (a contiguous block, in process order)."""
+    return jax.make_array_from_process_local_data(sharding_, np.asarray(local))
+
+
+def replicate(tree, rep: jax.sharding.NamedSharding):
+    """Every array leaf of `tree` (the same value on every process) as a replicated global
+    array; works across processes, where `device_put` onto other hosts' devices cannot."""
+
+    def put(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, rep, lambda index: x[index])
+
+    return jax.tree.map(put, tree)
+
+
+def key_data(key: jax.Array, rep: jax.sharding.NamedSharding) -> jax.Array:
+    """A typed PRNG key's raw data, replicated over the mesh (the stages' key argument)."""
+    return replicate(jax.random.key_data(key), rep)
+
+
+def process_rows(n: int) -> slice:
+    """The block of `n` global rows this process holds."""
+    k, i = jax.process_count(), jax.process_index()
+    return slice(i * n // k, (i + 1) * n // k)
+
+
+def decode_and_score(
+    generate: Callable,
+    params,
+    prompts: jax.Array,
+    prompt_mask: jax.Array,
+    key: jax.Array,
+    *,
+    answers: Sequence[str],
+    metadata: Sequence[Any],
+    reward_fns: Sequence[Any],
+    decode: Callable[[list[int]], str],
+    timer: Callable[[str], Any] | None = None,
+) -> tuple[Rollout, np.ndarray]:
+    """Samples completions and scores this process's rows where they live.
+
+    Used by training (G samples per prompt) and evaluation (greedy, or n samples).
+
+    Args:
+      generate: a compiled sampler `(params, prompts, mask, key_data) -> Rollout`.
+      prompts, prompt_mask: global [N, Lp] arrays sharded by rows.
+      key: the sampler's key argument (`key_data`).
+      answers, metadata: this process's rows' reference answers and task fields.
+      reward_fns: reward functions or names (`rewards.score`).
+      decode: token ids -> text.
+      timer: optional `metrics.StageTimer`; times the "sample" and "score" stages.
+    Returns:
+      (the global Rollout, float32[n_local, K] rewards of this process's rows; NaN where
+      a reward function failed).
+    """
+    stage = timer or (lambda name: contextlib.nullcontext())
+    with stage("sample"):
+        rollout = jax.block_until_ready(generate(params, prompts, prompt_mask, key))
+    with stage("score"):
+        tokens, lengths = local_rows(rollout.tokens), local_rows(rollout.lengths)
+        if len(answers) != tokens.shape[0]:
+            raise ValueError(f"answers: {len(answers)} for {tokens.shape[0]} local rows")
+        texts = [decode(tokens[i, : lengths[i]].tolist()) for i in range(tokens.shape[0])]
+        r = rewards_lib.score(reward_fns, texts, lengths, list(answers), list(metadata))
+    return rollout, np.asarray(r, np.float32)
+
+
+# ------------------------------------------------------------------------------ compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """The compiled stages of one run and the shardings they use."""
+
+    mesh: jax.sharding.Mesh
+    rules: tuple
+    rows: jax.sharding.NamedSharding  # [N, ...] arrays: rows over the batch axes
+    replicated: jax.sharding.NamedSharding
+    param_shardings: Any
+    state_shardings: TrainState
+    init_params: Callable[[], Any]  # () -> params, created sharded
+    init_state: Callable[[Any, Any], TrainState]  # (params, transform_state) -> state
+    generate: Callable  # (params, prompts, mask, key) -> Rollout
+    greedy: Callable
+    eval_generate: Callable
+    to_batch: Callable  # (prompts, mask, rollout) -> TrainBatch
+    policy_pass: Callable  # (params, batch) -> (logps, entropy) [N, T]
+    chain: Callable  # (scored, transform_state, entropy) -> (batch, rollouts, state)
+    trained_groups: Callable  # (scored, transform_state) -> bool[P]
+    update: Callable  # (state, batch) -> (state, metrics), state donated
+
+
+def _traced_under_rules(fn, mesh, rules):
+    """`fn` whose tracing runs with the model's logical-axis rules active."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with sharding.with_rules(mesh, rules):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def build_stages(
+    *,
+    model: ModelConfig,
+    sampling: SamplingConfig,
+    greedy: SamplingConfig,
+    eval_sampling: SamplingConfig,
+    loss: LossConfig,
+    chain: RolloutTransform,
+    optimizer: optax.GradientTransformation,
+    group_size: int,
+    mesh: jax.sharding.Mesh,
+    rules: Sequence[tuple[str, Any]],
+    load_params: Callable[[Any], Any] | None = None,
+    seed: int = 0,
+) -> Stages:
+    """Jits every stage of the run over `mesh` (see the module docstring).
+
+    `load_params(abstract)` returns the initial params placed like `abstract` (a pytree
+    of `jax.ShapeDtypeStruct`s with shardings); None = random init from `seed`.
+    """
+    rules = tuple((name, axes) for name, axes in rules)
+    rows = sharding.batch_sharding(mesh, rules, 1)  # P(batch axes): any rank >= 1
+    rep = sharding.replicated(mesh)
+    init_key = jax.random.fold_in(jax.random.key(seed), 1)
+    abstract = jax.eval_shape(lambda: init_params(model, init_key))
+    param_sh = sharding.tree_shardings(param_logical_axes(model), abstract, mesh, rules)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, param_sh
+    )
+    if load_params is None:
+        make_params = jax.jit(lambda: init_params(model, init_key), out_shardings=param_sh)
+    else:
+        make_params = functools.partial(load_params, abstract)
+    opt_sh = sharding.opt_state_shardings(
+        optimizer, jax.eval_shape(optimizer.init, abstract), param_sh, mesh
+    )
+    opt_init = jax.jit(optimizer.init, in_shardings=(param_sh,), out_shardings=opt_sh)
+
+    def init_state(params, transform_state) -> TrainState:
+        rng = jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 2))
+        return TrainState(
+            step=replicate(np.zeros((), np.int32), rep),
+            params=params,
+            opt_state=opt_init(params),
+            rng=replicate(rng, rep),
+            transform_state=replicate(transform_state, rep),
+        )
+
+    state_sh = TrainState(step=rep, params=param_sh, opt_state=opt_sh, rng=rep, transform_state=rep)
+
+    def jit(fn, **kw):
+        return jax.jit(_traced_under_rules(fn, mesh, rules), **kw)
+
+    def sampler(s: SamplingConfig):
+        fn = make_generate_fn(model, s)
+
+        def generate(params, prompts, mask, key_data):  # raw key data: replicable as an array
+            return fn(params, prompts, mask, jax.random.wrap_key_data(key_data))
+
+        return jit(generate, in_shardings=(param_sh, rows, rows, rep), out_shardings=rows)
+
+    temperature = loss.temperature
+    policy_pass = jit(
+        lambda params, batch: completion_logps(params, model, batch, temperature),
+        in_shardings=(param_sh, rows),
+        out_shardings=rows,
+    )
+    # Rollouts [P, G, ...] and group flags are small: replicated, whatever P is.
+    chain_fn = jit(
+        functools.partial(apply_chain, chain, group_size),
+        in_shardings=(rows, rep, rows),
+        out_shardings=(rows, rep, rep),
+    )
+    groups_fn = jit(
+        functools.partial(trained_groups, chain, group_size),
+        in_shardings=(rows, rep),
+        out_shardings=rep,
+    )
+    update = jit(
+        make_train_step(model, loss, optimizer),
+        in_shardings=(state_sh, rows),
+        out_shardings=(state_sh, rep),
+        donate_argnums=0,
+    )
+    return Stages(
+        mesh=mesh,
+        rules=rules,
+        rows=rows,
+        replicated=rep,
+        param_shardings=param_sh,
+        state_shardings=state_sh,
+        init_params=make_params,
+        init_state=init_state,
+        generate=sampler(sampling),
+        greedy=sampler(greedy),
+        eval_generate=sampler(eval_sampling),
+        to_batch=jit(rollouts_to_batch, in_shardings=(rows, rows, rows), out_shardings=rows),
+        policy_pass=policy_pass,
+        chain=chain_fn,
+        trained_groups=groups_fn,
+        update=update,
+    )
