@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.models import ModelConfig
 
@@ -131,9 +130,3 @@ def use_host_devices(n: int) -> int:
     if n > 1 and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
     return n
-
-
-def data_sharding() -> tuple[NamedSharding, NamedSharding]:
-    """(batch, replicated) shardings over a 1-D "data" mesh of all devices."""
-    mesh = Mesh(jax.devices(), ("data",))
-    return NamedSharding(mesh, PartitionSpec("data")), NamedSharding(mesh, PartitionSpec())

@@ -5,19 +5,19 @@
 
 prints one JSON line. A random-init policy of the given shape samples G completions for
 each of P random prompts (N = P * G rows, temperature 1, exactly T tokens: no EOS ids);
-each stage is its own compiled program, run and blocked on in order:
+each stage is the trainer's own compiled program (`jaxrl_llm.stages.build_stages`, the
+same jit with shardings that `python -m jaxrl_llm.train` runs), run and blocked on in order:
 
-- sample: `jaxrl_llm.sampler.make_generate_fn` (prefill + KV-cache decode).
+- sample: the stage sampler (prefill + KV-cache decode).
 - score: a synthetic verifiable reward on device, reward = fraction of even token ids in
   the completion (in [0, 1]; varies within a group, so GRPO advantages are non-zero).
-- advantages: `Rollouts.create` + the transform chain `chain(group_advantages("grpo"))`,
-  and the `TrainBatch` (prompt + completion, old log-probs from the sampler: the step
-  needs no extra forward pass for them).
-- update: `make_train_step` (AdamW via `make_optimizer`, the state donated), one epoch,
-  one mini-batch of --micro-batch row micro-batches, aggregation --aggregation.
+- advantages: `stages.rollouts_to_batch` + the chain stage with `chain(group_advantages(
+  "grpo"))` (old log-probs from the sampler: the step needs no extra forward pass).
+- update: the update stage (`make_train_step`, AdamW via `make_optimizer`, the state
+  donated), one epoch, one mini-batch of --micro-batch row micro-batches.
 
-step_s is the median wall time of the whole step (compile excluded: every program is
-compiled ahead of time, compile_s is the sum); the stage times are medians of the same
+step_s is the median wall time of the whole step (compilation excluded: first_step_s is
+the first step, which compiles every stage); the stage times are medians of the same
 steps. tokens_per_s counts generated tokens (N * T) per step_s. mfu = model FLOPs per
 step / step_s / the matmul ceiling measured in the same process (`_common`).
 """
@@ -31,28 +31,23 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks._common import (
     add_device_args,
     add_model_args,
     add_sampler_args,
     block,
-    data_sharding,
     emit,
     matmul_ceiling,
     model_from_args,
     use_host_devices,
 )
 from benchmarks.sampler import model_flops as sample_flops
-from jaxrl_llm.models import ModelConfig, init_params
-from jaxrl_llm.sampler import make_generate_fn
-from jaxrl_llm.train_step import (
-    LossConfig,
-    TrainBatch,
-    TrainState,
-    make_optimizer,
-    make_train_step,
-)
+from jaxrl_llm import sharding, stages
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.sampler import SamplingConfig
+from jaxrl_llm.train_step import LossConfig, make_optimizer
 from jaxrl_llm.transforms import chain, group_advantages
 from jaxrl_llm.types import Rollouts
 
@@ -81,17 +76,19 @@ def even_fraction_reward(tokens: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def build_programs(args: argparse.Namespace, config: ModelConfig):
-    """(state, inputs, {stage: compiled}, compile_s) for the configured step."""
-    p, g, lp, t = args.prompts, args.group, args.prompt_len, args.new_tokens
-    n = p * g
-    params = init_params(config, jax.random.key(0))
-    kp, key = jax.random.split(jax.random.key(1))
-    prompts = jnp.repeat(jax.random.randint(kp, (p, lp), 0, config.vocab_size), g, axis=0)
-    prompt_mask = jnp.ones((n, lp), bool)
+    """(state, inputs, stages, transform chain) for the configured step.
 
-    generate = make_generate_fn(
-        config,
-        max_new_tokens=t,
+    The stages are the trainer's own (`jaxrl_llm.stages.build_stages`): the same jitted
+    sampler, batch building, transform chain and update, sharded over a data-parallel mesh
+    of the host devices (rows split, the policy and optimizer state replicated; XLA inserts
+    the gradient all-reduce).
+    """
+    p, g, lp = args.prompts, args.group, args.prompt_len
+    n = p * g
+    if n % (jax.device_count() * g):
+        raise ValueError(f"{n} rollouts do not split into whole groups over the devices")
+    sampling = SamplingConfig(
+        max_new_tokens=args.new_tokens,
         temperature=1.0,
         kv_buckets=args.kv_buckets,
         row_groups=args.row_groups or None,
@@ -101,85 +98,60 @@ def build_programs(args: argparse.Namespace, config: ModelConfig):
     optimizer = make_optimizer(
         learning_rate=1e-5, total_steps=1000, warmup_steps=10, weight_decay=0.01
     )
-    step_fn = make_train_step(config, loss_cfg, optimizer)
-
-    def score(rollout):
-        return even_fraction_reward(rollout.tokens, rollout.completion_mask)
-
-    def advantages(rollout, rewards, transform_state, step):
-        ro = Rollouts.create(
-            rewards.reshape(p, g),
-            token_mask=rollout.completion_mask.reshape(p, g, t),
-            lengths=rollout.lengths.reshape(p, g),
-            truncated=rollout.truncated.reshape(p, g),
-        )
-        ro, transform_state = estimator.apply(ro, transform_state, step)
-        mask = rollout.completion_mask
-        batch = TrainBatch(
-            tokens=jnp.concatenate([prompts, rollout.tokens], 1),
-            attention_mask=jnp.concatenate([prompt_mask, mask], 1),
-            loss_weights=ro.loss_weights().reshape(n, t),
-            advantages=ro.advantages.reshape(n),
-            old_logps=jnp.where(mask, rollout.logps, 0.0),
-            ref_logps=jnp.zeros((n, t), jnp.float32),
-        )
-        return batch, transform_state
-
-    example = Rollouts.create(jnp.zeros((p, g)), token_mask=jnp.ones((p, g, t), bool))
-    state = TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        opt_state=optimizer.init(params),
-        rng=jax.random.key_data(jax.random.key(2)),
-        transform_state=estimator.init(example),
+    mesh = sharding.make_mesh(data=jax.device_count())
+    st = stages.build_stages(
+        model=config,
+        sampling=sampling,
+        greedy=sampling.replace(temperature=0.0),
+        eval_sampling=sampling,
+        loss=loss_cfg,
+        chain=estimator,
+        optimizer=optimizer,
+        group_size=g,
+        mesh=mesh,
+        rules=sharding.DEFAULT_RULES,
+        seed=0,
     )
-
-    # Data parallel over the devices: rollouts (whole groups) split by row, the policy and
-    # optimizer state replicated; XLA inserts the gradient all-reduce.
-    if n % (jax.device_count() * g):
-        raise ValueError(f"{n} rollouts do not split into whole groups over the devices")
-    batch_sharding, replicated = data_sharding()
-    state = jax.device_put(state, replicated)
-    params = state.params
-    prompts, prompt_mask = jax.device_put((prompts, prompt_mask), batch_sharding)
-    # Each stage is compiled for the real (sharded) outputs of the previous one.
-    compile_s = 0.0
-
-    def compile_stage(fn, *args, **jit_kw):
-        nonlocal compile_s
-        t0 = time.perf_counter()
-        c = jax.jit(fn, **jit_kw).lower(*args).compile()
-        compile_s += time.perf_counter() - t0
-        return c
-
-    compiled = {"sample": compile_stage(generate, params, prompts, prompt_mask, key)}
-    rollout = compiled["sample"](params, prompts, prompt_mask, key)
-    compiled["score"] = compile_stage(score, rollout)
-    rewards = compiled["score"](rollout)
-    args_adv = (rollout, rewards, state.transform_state, state.step)
-    compiled["advantages"] = compile_stage(advantages, *args_adv)
-    batch = compiled["advantages"](*args_adv)[0]
-    compiled["update"] = compile_stage(step_fn, state, batch, donate_argnums=0)
-    return state, (prompts, prompt_mask, key), compiled, compile_s
+    example = Rollouts.create(jnp.zeros((p, g)), token_mask=jnp.ones((p, g, args.new_tokens), bool))
+    state = st.init_state(st.init_params(), estimator.init(example))
+    kp, key = jax.random.split(jax.random.key(1))
+    prompts = np.repeat(np.asarray(jax.random.randint(kp, (p, lp), 0, config.vocab_size)), g, 0)
+    inputs = (
+        stages.to_global(prompts, st.rows),
+        stages.to_global(np.ones((n, lp), bool), st.rows),
+        key,
+    )
+    score = jax.jit(
+        lambda rollout: even_fraction_reward(rollout.tokens, rollout.completion_mask)[:, None],
+        out_shardings=st.rows,
+    )
+    return state, inputs, st, score
 
 
-def run_step(state, inputs, programs, i: int) -> tuple:
-    """One GRPO step, blocking after each stage; returns (state, metrics, {stage: s})."""
+def run_step(state, inputs, st, score, i: int) -> tuple:
+    """One GRPO step through the trainer's stages, blocking after each; returns
+    (state, metrics, {stage: s})."""
     prompts, prompt_mask, key = inputs
     c0, t0 = os.times(), time.perf_counter()
     rollout = block(
-        programs["sample"](state.params, prompts, prompt_mask, jax.random.fold_in(key, i))
+        st.generate(
+            state.params,
+            prompts,
+            prompt_mask,
+            stages.key_data(jax.random.fold_in(key, i), st.replicated),
+        )
     )
     t1 = time.perf_counter()
-    rewards = block(programs["score"](rollout))
+    rewards = block(score(rollout))  # [N, 1]
     t2 = time.perf_counter()
-    batch, transform_state = block(
-        programs["advantages"](rollout, rewards, state.transform_state, state.step)
+    scored = stages.Scored(
+        batch=st.to_batch(prompts, prompt_mask, rollout),
+        rewards=rewards,
+        truncated=rollout.truncated,
     )
+    batch, _, transform_state = block(st.chain(scored, state.transform_state, None))
     t3 = time.perf_counter()
-    state, metrics = block(
-        programs["update"](state.replace(transform_state=transform_state), batch)
-    )
+    state, metrics = block(st.update(state.replace(transform_state=transform_state), batch))
     t4, c4 = time.perf_counter(), os.times()
     times = {"sample_s": t1 - t0, "score_s": t2 - t1, "advantages_s": t3 - t2, "update_s": t4 - t3}
     times["step_s"] = t4 - t0
@@ -219,13 +191,16 @@ def main(argv: list[str] | None = None) -> None:
     # float32 master weights always (AdamW state and updates stay float32);
     # --dtype is the compute dtype of activations and matmuls.
     config = model_from_args(args, dtype=args.dtype, param_dtype="float32")
-    state, inputs, programs, compile_s = build_programs(args, config)
+    state, inputs, st, score = build_programs(args, config)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    t0 = time.perf_counter()
+    state, _, _ = run_step(state, inputs, st, score, 0)  # compiles every stage
+    compile_s = time.perf_counter() - t0
     for i in range(args.warmup):
-        state, _, _ = run_step(state, inputs, programs, i)
+        state, _, _ = run_step(state, inputs, st, score, 1 + i)
     records, ceilings = [], []
     for i in range(args.steps):
-        state, metrics, times = run_step(state, inputs, programs, args.warmup + i)
+        state, metrics, times = run_step(state, inputs, st, score, 1 + args.warmup + i)
         records.append(times)
         # Interleaved with the steps so a shared machine's load drift hits both alike.
         ceilings.append(matmul_ceiling(config.jnp_dtype, repeats=3))
@@ -241,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
             "stages": {
                 k: round(med[k], 4) for k in ("sample_s", "score_s", "advantages_s", "update_s")
             },
-            "compile_s": compile_s,
+            "first_step_s": compile_s,  # compilation of every stage + one step
             "params": n_params,
             "tokens_per_s": n * args.new_tokens / med["step_s"],
             "model_gflops": flops["total"] / 1e9,

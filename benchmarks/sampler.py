@@ -20,15 +20,15 @@ from benchmarks._common import (
     add_device_args,
     add_model_args,
     add_sampler_args,
-    data_sharding,
     emit,
     matmul_ceiling,
     model_from_args,
     time_call,
     use_host_devices,
 )
+from jaxrl_llm import sharding
 from jaxrl_llm.models import ModelConfig, init_params
-from jaxrl_llm.sampler import default_row_groups, make_generate_fn
+from jaxrl_llm.sampler import SamplingConfig, default_row_groups, make_generate_fn
 
 
 def model_flops(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -56,14 +56,17 @@ def run(args: argparse.Namespace, config: ModelConfig, batch: int, ceiling: floa
     mask = jnp.ones((batch, args.prompt_len), bool)
     fn = make_generate_fn(
         config,
-        max_new_tokens=args.new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        kv_buckets=args.kv_buckets,
-        row_groups=args.row_groups or None,
+        SamplingConfig(
+            max_new_tokens=args.new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            kv_buckets=args.kv_buckets,
+            row_groups=args.row_groups or None,
+        ),
     )
-    batch_sharding, replicated = data_sharding()
+    mesh = sharding.make_mesh(data=jax.device_count())  # data parallel over the host devices
+    batch_sharding, replicated = sharding.batch_sharding(mesh), sharding.replicated(mesh)
     if batch % jax.device_count():
         raise ValueError(f"--batch {batch} is not divisible by {jax.device_count()} devices")
     params = jax.device_put(params, replicated)

@@ -117,6 +117,8 @@ def setup(config: ml_collections.ConfigDict) -> Run:
                 num_epochs=1,
                 template=c.data.template,
                 split="test",
+                shard_index=0,  # every process holds the whole eval set, keeps its rows
+                shard_count=1,
             )
         )
     )
@@ -344,11 +346,19 @@ class _StopRequest:
     def _handle(self, signum, frame):
         self.signal = signum
 
-    def requested(self) -> bool:
-        """Whether any process was signalled (all processes agree, so all stop together)."""
+    def requested(self, step: int) -> bool:
+        """Whether any process was signalled; all processes agree, so all stop together.
+
+        Under `jax.distributed`, JAX's own preemption notice (it catches SIGTERM itself on
+        cluster schedulers) counts too, through its sync point at `step`.
+        """
         flag = self.signal is not None
         if jax.process_count() > 1:
             flag = bool(multihost_utils.process_allgather(np.asarray(flag)).any())
+            try:
+                flag = multihost_utils.reached_preemption_sync_point(step) or flag
+            except RuntimeError:  # the runtime was started without its preemption service
+                pass
         return flag
 
     def __exit__(self, *exc):
@@ -416,7 +426,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 tok_s=record["throughput/tokens_per_s"],
             )
             every = c.train.checkpoint_every
-            stopped = stop.requested() and not final
+            stopped = stop.requested(done) and not final
             if (every and done % every == 0) or final or stopped:
                 ckpt.save(done, state, data_iter.get_state(), {"config": c.to_dict()}, force=True)
             if stopped:
