@@ -34,7 +34,7 @@ def main(seed: int = 0, prompts: int = 4, group: int = 7, tokens: int = 6) -> di
         jrl.keep_max_variance_rollouts(k=4),  # PODS
         jrl.keep_top_tokens(fraction=0.5),  # D3S token level
     )
-    out, _ = jax.jit(chain.apply)(rollouts, chain.init(rollouts), 0)
+    out, _ = jax.jit(chain.apply)(rollouts, chain.init(rollouts))
     np.set_printoptions(precision=3, suppress=True)
     print("correct [P, G]:\n", correct)
     print("advantages [P, G]:\n", np.asarray(out.advantages))

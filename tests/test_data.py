@@ -166,9 +166,25 @@ def test_prompt_batch_layout(countdown_source, tok):
         assert batch.mask[row, -1]  # left padding: every prompt ends in the last column
     # Only the arrays are pytree leaves; text rides as hashable static metadata.
     assert len(jax.tree.leaves(batch)) == 3
-    assert hash(batch.metadata) is not None
-    meta = batch.metadata[0]
-    assert meta["task"] == "countdown" and len(meta["numbers"]) == 2
+    # Each row's metadata is its problem's fields, as the task generator wrote them.
+    generated = {
+        e["prompt"]: e
+        for e in tasks.generate("countdown", split="train", num_examples=60, difficulty=1)
+    }
+    for row in range(8):
+        e = generated[batch.prompts[row]]
+        assert batch.answers[row] == e["answer"]
+        assert dict(batch.metadata[row]) == {
+            "task": "countdown",
+            "difficulty": 1,
+            "numbers": tuple(e["numbers"]),
+            "target": e["target"],
+        }
+    # Hashable by value: the same batch built again hashes equal, another batch differs.
+    again = iter(_pipe(countdown_source, tok))
+    same, other = next(again), next(again)
+    assert same.metadata == batch.metadata and hash(same.metadata) == hash(batch.metadata)
+    assert other.metadata != batch.metadata and hash(other.metadata) != hash(batch.metadata)
     # The reference completions score as correct and well-formed against the batch.
     out = rewards.score(
         ["correct", "format"],
@@ -326,9 +342,19 @@ def test_make_source_specs(data_dir):
 
 
 def test_record_source_is_random_access(countdown_source):
+    in_order = [countdown_source[i] for i in range(len(countdown_source))]
+    # The records are the generator's problems (TFDS stores them in its own order).
+    generated = tasks.generate("countdown", split="train", num_examples=60, difficulty=1)
+    assert sorted((r["prompt"], r["answer"]) for r in in_order) == sorted(
+        (e["prompt"], e["answer"]) for e in generated
+    )
+    # Reading indices in a random order returns the record of that index, not the next
+    # one in some iteration order (grain's samplers rely on this).
     rng = random.Random(0)
-    for i in rng.sample(range(len(countdown_source)), 5):
-        assert countdown_source[i] == countdown_source[i]
+    picks = rng.sample(range(len(countdown_source)), 5)
+    for i in picks:
+        assert countdown_source[i] == in_order[i]
+    assert len({in_order[i]["prompt"] for i in picks}) == 5
 
 
 def test_sft_and_rl_halves_partition_the_train_problems():

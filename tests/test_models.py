@@ -332,8 +332,8 @@ def test_logical_constraint_is_identity_without_rules_and_applies_with_rules():
         return a
 
     token = partitioning.set_constrain(record)
-    try:
-        out, _ = jax.jit(models.forward, static_argnums=1)(params, config, tokens, pos, mask)
+    try:  # eagerly: a jitted forward may come from the cache, traced without the hook
+        out, _ = models.forward(params, config, tokens, pos, mask)
         with pytest.raises(ValueError, match="names"):
             models.with_logical_constraint(x, ("batch",))
     finally:
@@ -341,3 +341,35 @@ def test_logical_constraint_is_identity_without_rules_and_applies_with_rules():
     np.testing.assert_allclose(out, ref, atol=1e-6)
     assert ("batch", "length", "embed") in seen and ("batch", "length", "mlp") in seen
     assert models.with_logical_constraint(x, ("batch", "length", "embed")) is x  # reset
+
+
+@pytest.mark.parametrize("remat", ["full", "dots_saveable", "nothing_saveable"])
+def test_remat_changes_memory_not_values(remat):
+    config = ModelConfig.tiny(n_layers=2)
+    params = _params(config)
+    tokens, mask = _left_padded_batch(config, [4, 6], 6)
+    pos = models.positions_from_mask(mask)
+
+    def loss(p, c):
+        return jnp.sum(models.token_logps(p, c, tokens, pos, mask) * mask[:, 1:])
+
+    ref_v, ref_g = jax.value_and_grad(loss)(params, config)
+    v, g = jax.jit(jax.value_and_grad(loss), static_argnums=1)(
+        params, dataclasses.replace(config, remat=remat)
+    )
+    np.testing.assert_allclose(v, ref_v, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"ModelConfig.remat: unknown value 'some'"):
+        ModelConfig.tiny(remat="some")
+
+
+def test_kv_cache_carries_logical_names():
+    seen = []
+    token = partitioning.set_constrain(lambda a, names: seen.append(tuple(names)) or a)
+    try:
+        models.init_cache(ModelConfig.tiny(n_layers=1), 2, 5)
+    finally:
+        partitioning.reset_constrain(token)
+    assert ("batch", "kv_heads", "head_dim", "length") in seen
+    assert ("batch", "kv_heads", "length", "head_dim") in seen

@@ -207,8 +207,23 @@ def test_score_columns():
     np.testing.assert_allclose(
         out, [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, -0.75]], rtol=0, atol=1e-7
     )
-    # A [P, G] group layout flattens prompt-major and reshapes back.
-    assert out.reshape(1, 3, 3).shape == (1, 3, 3)
+
+
+def test_score_group_layout_is_prompt_major():
+    # [P, G] = [2, 2] flattened prompt-major: row p * G + g is member g of prompt p, so
+    # reshaping the [P * G, K] scores to [P, G, K] puts each score with its own prompt.
+    groups = [["<answer>19</answer>", "<answer>7</answer>"]] * 2
+    answers = ["19", "19", "7", "7"]
+    out = rewards.score(
+        ["correct", "overlong"],
+        [c for group in groups for c in group],
+        [3, 14, 12, 16],
+        answers,
+        reward_kwargs={"overlong": {"max_len": 16, "buffer": 8}},
+    ).reshape(2, 2, 2)
+    np.testing.assert_array_equal(out[..., 0], [[1.0, 0.0], [0.0, 1.0]])  # right per prompt
+    # Penalty -(len - 8) / 8 past 8 tokens: 14 -> -0.75, 12 -> -0.5, 16 -> -1.
+    np.testing.assert_allclose(out[..., 1], [[0.0, -0.75], [-0.5, -1.0]], rtol=0, atol=1e-7)
 
 
 def test_score_passes_nan_through_and_accepts_callables():

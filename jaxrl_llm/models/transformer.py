@@ -61,9 +61,15 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int) -> KVCache
     """Zero cache with `max_length` slots: per layer, k [B, K, H, S] and v [B, K, S, H]."""
     v_shape = (batch_size, config.n_kv_heads, max_length, config.head_dim)
     k_shape = (batch_size, config.n_kv_heads, config.head_dim, max_length)
+    # Logical names: rows follow the batch's sharding, kv heads the tensor axis (replicated
+    # by the rules when the tensor axis does not divide them).
+    k_names = ("batch", "kv_heads", "head_dim", "length")
+    v_names = ("batch", "kv_heads", "length", "head_dim")
+    k = jnp.zeros(k_shape, config.jnp_dtype)
+    v = jnp.zeros(v_shape, config.jnp_dtype)
     return KVCache(
-        k=tuple(jnp.zeros(k_shape, config.jnp_dtype) for _ in range(config.n_layers)),
-        v=tuple(jnp.zeros(v_shape, config.jnp_dtype) for _ in range(config.n_layers)),
+        k=tuple(with_logical_constraint(k, k_names) for _ in range(config.n_layers)),
+        v=tuple(with_logical_constraint(v, v_names) for _ in range(config.n_layers)),
     )
 
 
