@@ -75,18 +75,27 @@ def even_fraction_reward(tokens: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(even * m, -1) / jnp.maximum(jnp.sum(m, -1), 1.0)
 
 
-def build_programs(args: argparse.Namespace, config: ModelConfig):
+def build_programs(args: argparse.Namespace, config: ModelConfig, mesh=None):
     """(state, inputs, stages, transform chain) for the configured step.
 
     The stages are the trainer's own (`jaxrl_llm.stages.build_stages`): the same jitted
     sampler, batch building, transform chain and update, sharded over a data-parallel mesh
     of the host devices (rows split, the policy and optimizer state replicated; XLA inserts
-    the gradient all-reduce).
+    the gradient all-reduce), or over `mesh` when given (`benchmarks.scaling`).
     """
     p, g, lp = args.prompts, args.group, args.prompt_len
     n = p * g
-    if n % (jax.device_count() * g):
-        raise ValueError(f"{n} rollouts do not split into whole groups over the devices")
+    mesh = mesh or sharding.make_mesh(data=jax.device_count())
+    sizes = dict(mesh.shape)
+    sharding.validate_mesh(
+        sizes,
+        n_heads=config.n_heads,
+        n_kv_heads=config.n_kv_heads,
+        rows=n,
+        num_devices=jax.device_count(),
+    )
+    if n % (sizes["data"] * sizes["fsdp"] * g):
+        raise ValueError(f"{n} rollouts do not split into whole groups over data x fsdp")
     sampling = SamplingConfig(
         max_new_tokens=args.new_tokens,
         temperature=1.0,
@@ -98,7 +107,6 @@ def build_programs(args: argparse.Namespace, config: ModelConfig):
     optimizer = make_optimizer(
         learning_rate=1e-5, total_steps=1000, warmup_steps=10, weight_decay=0.01
     )
-    mesh = sharding.make_mesh(data=jax.device_count())
     st = stages.build_stages(
         model=config,
         sampling=sampling,
@@ -160,8 +168,9 @@ def run_step(state, inputs, st, score, i: int) -> tuple:
     return state, metrics, times
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_step_args(p: argparse.ArgumentParser, **defaults) -> None:
+    """The flags of one GRPO step (model, batch, sampler, loss, timing), shared with
+    `benchmarks.scaling`; `defaults` overrides their defaults."""
     add_model_args(p)
     p.add_argument("--prompts", type=int, default=8, help="P prompts per step")
     p.add_argument("--group", type=int, default=8, help="G completions per prompt")
@@ -177,11 +186,17 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="rows per gradient-accumulation micro-batch (0 = all N); does not change the gradient",
     )
+    p.add_argument("--steps", type=int, default=7, help="timed steps (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    p.set_defaults(**defaults)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_step_args(p)
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype"
     )
-    p.add_argument("--steps", type=int, default=7, help="timed steps (median)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     add_device_args(p)
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:

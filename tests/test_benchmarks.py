@@ -1,9 +1,10 @@
 """Tests for the benchmark helpers: the matmul inventory of `benchmarks.step_floor`
-(hand-counted FLOPs) and one tiny end-to-end run of the floor benchmark."""
+(hand-counted FLOPs), one tiny end-to-end run of the floor benchmark, and the scaling
+benchmark's HLO collective count and a tiny two-mesh run."""
 
 import json
 
-from benchmarks import step_floor
+from benchmarks import scaling, step_floor
 from jaxrl_llm.models import ModelConfig
 
 TINY = ModelConfig(
@@ -42,3 +43,104 @@ def test_step_floor_runs_and_prints_one_json_line(capsys):
     assert 0 < rec["sample_floor_s"] < rec["floor_s"]
     update = min(rec["update_floor_s"], rec["update_fused_floor_s"])
     assert abs(rec["floor_s"] - update - rec["sample_floor_s"]) <= 1e-3 * rec["floor_s"]
+
+
+# Collectives: all-gather 16 x 4 = 64; all-reduce async pair, counted once at the done:
+# bf16 4 x 4 = 32; all-to-all tuple 2 x 4 + 3 x 4 = 20; collective-permute pair 8 x 4 =
+# 32; reduce-scatter pred[6] = 6; a fusion's all-gather 2 x 4 = 8; the loop body's
+# all-reduce (8 x 4 = 32) x (5 trips (known) + 2 (inferred: from 5, where %w stops, while
+# i < 7) + 1 (%w3: no induction variable, a static count)) = 256. The add is no
+# collective. Total 418, one static loop.
+HLO = """HloModule m, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %ar = f32[8]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %ar)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %c = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+%cmp (a: s32[], b: s32[]) -> pred[] {
+  %a = s32[] parameter(0)
+  %b = s32[] parameter(1)
+  ROOT %lt = pred[] compare(%a, %b), direction=LT
+}
+
+%cond7 (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %c = s32[] constant(7)
+  ROOT %lt = pred[] fusion(%i, %c), kind=kLoop, calls=%cmp
+}
+
+%fused (x: f32[1]) -> f32[2] {
+  %x = f32[1]{0} parameter(0)
+  ROOT %g = f32[2]{0} all-gather(%x), dimensions={0}
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %c0 = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%c0, %x)
+  %ag = f32[16]{0} all-gather(%x), replica_groups={{0,1}}, dimensions={0}
+  %ars = bf16[4,4]{1,0} all-reduce-start(%x), replica_groups={{0,1}}, to_apply=%add
+  %ard = bf16[4,4]{1,0} all-reduce-done(%ars)
+  %a2a = (f32[2]{0}, /*index=1*/s32[3]{0}) all-to-all(%u, %v), replica_groups={{0,1}}
+  %cps = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%x), channel_id=1
+  %cpd = f32[8]{0} collective-permute-done(%cps)
+  %rs = pred[6]{0} reduce-scatter(%m), dimensions={0}, to_apply=%add
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_induction_variable":{"tuple_index":"0"}, \
+"known_init_step":{"init":"0","step":"1"},"known_trip_count":{"n":"5"}}
+  %i5 = s32[] get-tuple-element(%w), index=0
+  %y = f32[8]{0} get-tuple-element(%w), index=1
+  %init2 = (s32[], f32[8]{0}) tuple(%i5, %y)
+  %w2 = (s32[], f32[8]{0}) while(%init2), condition=%cond7, body=%body, \
+backend_config={"known_induction_variable":{"tuple_index":"0"}}
+  %w3 = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
+  %f = f32[2]{0} fusion(%z), kind=kLoop, calls=%fused
+  ROOT %sum = f32[1000]{0} add(%x, %x)
+}
+"""
+
+
+def test_hlo_collective_bytes_hand_counted():
+    assert (
+        scaling.shape_bytes("(f32[2,3]{1,0}, /*index=1*/bf16[4]{0}, pred[], u32[])")
+        == 24 + 8 + 1 + 4
+    )
+    assert scaling.hlo_collective_bytes(HLO) == (418, 1)
+    assert scaling.hlo_collective_bytes(HLO.replace("all-gather", "copy")) == (418 - 72, 1)
+
+
+def test_scaling_runs_one_and_two_device_meshes(capsys):
+    scaling.main(
+        "--d-model 16 --layers 1 --heads 2 --kv-heads 1 --ffn 32 --vocab 8 --prompts 4 "
+        "--group 2 --prompt-len 3 --new-tokens 3 --steps 1 --warmup 0 "
+        "--meshes 1:data=1 2:fsdp=2".split()
+    )
+    one, two = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines())
+    assert (one["devices"], two["devices"]) == (1, 2)
+    assert two["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1}
+    assert one["state_bytes_total"] == two["state_bytes_total"] > 0
+    assert one["state_bytes_per_device"] == one["state_bytes_total"]
+    # fsdp splits every weight's embed dim (16 / 2): half, plus replicated scalars.
+    assert two["state_bytes_per_device"] <= 0.55 * two["state_bytes_total"]
+    assert one["collective_bytes_per_step"] == {"update": 0, "sample": 0, "total": 0}
+    assert two["collective_bytes_per_step"]["update"] > 0
+    assert two["collective_static_loops"] == 0
+    assert one["step_s"] > 0 and one["rows"] == two["rows"] == 8
