@@ -32,17 +32,8 @@ die() {
   exit 2
 }
 
-quote_words() { # prints its arguments as one shell-quoted line, readable and copy-pasteable
-  local word out=()
-  for word in "$@"; do
-    if [[ $word =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then
-      out+=("$word")
-    else
-      out+=("'${word//\'/\'\\\'\'}'")
-    fi
-  done
-  echo "${out[*]}"
-}
+# shellcheck source=launch/_quote.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_quote.sh"  # quote_words
 
 dry_run=0
 while (($#)); do
