@@ -189,16 +189,21 @@ def _pad_rows(batch: PromptBatch, n: int) -> PromptBatch:
     )
 
 
+def _repeated_rows(st: stages.Stages, batch: PromptBatch, repeat: int):
+    """Each prompt `repeat` times in a row (group-major, [B * repeat, Lp]), as global arrays
+    sharded by rows, with this process's rows' answers and metadata."""
+    rows = stages.process_rows(batch.batch_size * repeat)
+    tokens = np.repeat(np.asarray(batch.tokens), repeat, axis=0)[rows]
+    mask = np.repeat(np.asarray(batch.mask), repeat, axis=0)[rows]
+    answers = [a for a in batch.answers for _ in range(repeat)][rows]
+    meta = [m for m in batch.metadata for _ in range(repeat)][rows]
+    return stages.to_global(tokens, st.rows), stages.to_global(mask, st.rows), answers, meta
+
+
 def _sample_round(run: Run, params, batch: PromptBatch, key, timer) -> stages.Scored:
     """G completions of each of the batch's P prompts, scored on the rows' own processes."""
-    st, g = run.stages, run.G
-    rows = stages.process_rows(batch.batch_size * g)
-    tokens = np.repeat(np.asarray(batch.tokens), g, axis=0)  # [P * G, Lp] group-major
-    mask = np.repeat(np.asarray(batch.mask), g, axis=0)
-    prompts = stages.to_global(tokens[rows], st.rows)
-    prompt_mask = stages.to_global(mask[rows], st.rows)
-    answers = [a for a in batch.answers for _ in range(g)][rows]
-    meta = [m for m in batch.metadata for _ in range(g)][rows]
+    st = run.stages
+    prompts, prompt_mask, answers, meta = _repeated_rows(st, batch, run.G)
     rollout, r = stages.decode_and_score(
         st.generate,
         params,
@@ -299,16 +304,12 @@ def evaluate(run: Run, params, step: int) -> dict:
     n = c.train.eval_samples
 
     def correct(fn, repeat):
-        rows = stages.process_rows(eb.batch_size * repeat)
-        tokens = np.repeat(np.asarray(eb.tokens), repeat, axis=0)[rows]
-        mask = np.repeat(np.asarray(eb.mask), repeat, axis=0)[rows]
-        answers = [a for a in eb.answers for _ in range(repeat)][rows]
-        meta = [m for m in eb.metadata for _ in range(repeat)][rows]
+        tokens, mask, answers, meta = _repeated_rows(st, eb, repeat)
         _, r = stages.decode_and_score(
             fn,
             params,
-            stages.to_global(tokens, st.rows),
-            stages.to_global(mask, st.rows),
+            tokens,
+            mask,
             key,
             answers=answers,
             metadata=meta,
