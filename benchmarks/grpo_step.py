@@ -159,7 +159,7 @@ def run_step(state, inputs, st, score, i: int) -> tuple:
     )
     batch, _, transform_state = block(st.chain(scored, state.transform_state, None))
     t3 = time.perf_counter()
-    state, metrics = block(st.update(state.replace(transform_state=transform_state), batch))
+    state, metrics = block(st.update(state.replace(transform_state=transform_state), batch, {}))
     t4, c4 = time.perf_counter(), os.times()
     times = {"sample_s": t1 - t0, "score_s": t2 - t1, "advantages_s": t3 - t2, "update_s": t4 - t3}
     times["step_s"] = t4 - t0

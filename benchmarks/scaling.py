@@ -353,7 +353,7 @@ def run_child(args: argparse.Namespace) -> None:
         truncated=rollout.truncated,
     )
     batch, _, _ = block(st.chain(scored, state.transform_state, None))
-    update = st.update.lower(state, batch).compile()
+    update = st.update.lower(state, batch, {}).compile()
     sample_bytes, sample_static = hlo_collective_bytes(generate.as_text())
     update_bytes, update_static = hlo_collective_bytes(update.as_text())
     st = dataclasses.replace(st, generate=generate, update=update)

@@ -174,6 +174,27 @@ class Checkpointer:
         )
         return out.state, dict(out.data or {}), dict(out.meta or {})
 
+    def read(self, step: int | None = None) -> tuple[dict, dict]:
+        """(state, meta) of `step` (default: the latest) as saved, without a target.
+
+        The state comes back as nested dicts of arrays on the default device (a dataclass
+        state as a dict of its fields): for tools that only need some of it, such as an
+        export of the params, and cannot rebuild the run's full state structure.
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no finalized checkpoint in {self.directory}")
+        elif step not in self.all_steps():
+            raise FileNotFoundError(
+                f"step {step} is not in {self.directory}; available: {list(self.all_steps())}"
+            )
+        out = self._manager.restore(
+            int(step),
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
+        )
+        return dict(out.state), dict(out.meta or {})
+
     def latest_step(self) -> int | None:
         """The newest finalized step, or None; half-written (tmp) steps are never counted."""
         return self._manager.latest_step()

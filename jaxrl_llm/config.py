@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from jaxrl_llm import rewards as rewards_lib
 from jaxrl_llm import sharding, transforms
 from jaxrl_llm.data.tasks import SPLITS
-from jaxrl_llm.data.templates import TEMPLATES
-from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.rewards import REWARDS
+from jaxrl_llm.data.templates import CHAT_TEMPLATE, TEMPLATE_NAMES
+from jaxrl_llm.models import ModelConfig, lora
 from jaxrl_llm.sampler import SamplingConfig
 from jaxrl_llm.train_step import LossConfig
 from jaxrl_llm.types import Rollouts
@@ -50,7 +50,19 @@ def base_config() -> ml_collections.ConfigDict:
             embed_scale=False,
             param_dtype="float32",
             dtype="float32",
+            # A local Hugging Face checkpoint directory (config.json + *.safetensors +
+            # tokenizer files). When set, it gives the architecture (the fields above,
+            # except param_dtype and dtype, are ignored), the initial policy and the
+            # reference policy (init.checkpoint is ignored), and the tokenizer (unless
+            # data.tokenizer is set). "" = the built-in model above.
+            pretrained="",
         )
+    )
+    # LoRA ("LoRA: Low-Rank Adaptation of Large Language Models"): rank 0 = full
+    # fine-tuning. With rank r > 0 only adapters on `targets` are trained (float32), the
+    # base stays frozen in model.param_dtype, and the reference policy is the base.
+    c.lora = ml_collections.ConfigDict(
+        dict(rank=0, alpha=16.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
     )
     # Where the initial policy comes from: a safetensors file ("" = random init).
     # "builtin:NAME" resolves to jaxrl_llm/assets/NAME.safetensors (made by jaxrl_llm.sft).
@@ -58,7 +70,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict(
         dict(
-            source="arithmetic/level1",  # task/level, "jsonl:PATH" or "tfds:NAME"
+            source="arithmetic/level1",  # task/level, "jsonl:PATH", "parquet:PATH" or "tfds:NAME"
             # The split RL samples prompts from. Built-in tasks: "rl", the half of the train
             # problems the SFT warm start never saw ("train" = all); JSONL / TFDS: usually
             # "train".
@@ -67,6 +79,19 @@ def base_config() -> ml_collections.ConfigDict:
             prompt_len=12,  # left-padded prompt buffer (tokens, BOS included)
             template="plain",
             data_dir="",  # TFDS data dir; "" = $JAXRL_DATA_DIR or ~/tensorflow_datasets
+            # A tokenizer directory (tokenizer.json or tokenizer.model with
+            # tokenizer_config.json) or a SentencePiece .model file; "" = model.pretrained's
+            # directory, else the shipped one.
+            tokenizer="",
+            # Fields of JSONL / Parquet records ("" = "prompt" / "answer"); the other
+            # fields become the reward functions' metadata.
+            prompt_key="",
+            answer_key="",
+            # template="chat": the tokenizer's chat template renders each prompt as a user
+            # message after this system prompt (its tokens count towards prompt_len), with
+            # extra template variables, e.g. {"enable_thinking": False} for Qwen3.
+            system_prompt="",
+            chat_template_kwargs=ml_collections.ConfigDict(),
             eval_prompts=400,
         )
     )
@@ -89,8 +114,19 @@ def base_config() -> ml_collections.ConfigDict:
             recompute_old_logps=False,
         )
     )
+    # Reward functions: registry names ("correct", "format", "math", ...), import paths
+    # "my_pkg.rewards:score" or files "path/to/rewards.py:score" (rewards.resolve_reward).
+    # kwargs are keyed by label: the name itself, or the attribute of a path ("score").
+    # A reward that raises, times out or returns NaN/inf marks that rollout invalid
+    # (counted in reward/<label>/errors|nonfinite|timeouts, excluded from its group).
     c.rewards = ml_collections.ConfigDict(
-        dict(names=("correct",), kwargs=ml_collections.ConfigDict())
+        dict(
+            names=("correct",),
+            kwargs=ml_collections.ConfigDict(),
+            num_workers=0,  # 0 = score in the trainer's process; > 0 = spawned workers
+            timeout_s=0.0,  # per reward call on one completion; 0 = none (needs workers
+            # to stop C code or non-main threads, see rewards.scoring)
+        )
     )
     c.loss = ml_collections.ConfigDict(
         dict(
@@ -161,17 +197,39 @@ def _fail(key: str, message: str):
     raise ValueError(f"config.{key}: {message}")
 
 
+def pretrained_dir(c: ml_collections.ConfigDict) -> pathlib.Path | None:
+    """`model.pretrained` as a checked directory, or None for the built-in model."""
+    if not c.model.pretrained:
+        return None
+    path = pathlib.Path(c.model.pretrained).expanduser()
+    if not (path / "config.json").is_file():
+        _fail("model.pretrained", f"{c.model.pretrained!r}: no config.json in that directory")
+    return path
+
+
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
+    """The policy's `ModelConfig`: the built-in fields, or the pretrained checkpoint's
+    architecture with `model.param_dtype` / `model.dtype`, `train.remat` and `lora`."""
+    path = pretrained_dir(c)
+    fields = {k: v for k, v in c.model.to_dict().items() if k != "pretrained"}
+    options = dict(
+        remat=c.train.remat,
+        param_dtype=fields["param_dtype"],
+        dtype=fields["dtype"],
+        lora_rank=c.lora.rank,
+        lora_alpha=c.lora.alpha,
+    )
     try:
-        model = ModelConfig(**c.model.to_dict(), remat=c.train.remat)
+        if path is None:
+            return ModelConfig(**fields | options)
+        from jaxrl_llm.models import hf
+
+        return hf.load_config(path).replace(**options)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"config.model: {e}") from None
-    if model.param_dtype != "float32":
-        # Master weights and AdamW moments stay float32; use model.dtype for bf16 compute.
-        _fail(
-            "model.param_dtype", f"training needs float32 master weights, got {model.param_dtype!r}"
-        )
-    return model
+        msg = str(e)
+        if msg.startswith("ModelConfig.lora_"):
+            raise ValueError(f"config.lora: {msg}") from None
+        raise ValueError(f"config.model: {msg}") from None
 
 
 def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
@@ -186,8 +244,13 @@ def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
         raise ValueError(msg if msg.startswith("loss.") else f"config.loss: {msg}") from None
 
 
-def sampling_config(c: ml_collections.ConfigDict, eos_id: int, pad_id: int) -> SamplingConfig:
-    """The training sampler's options; greedy and evaluation sampling are `.replace(...)`."""
+def sampling_config(
+    c: ml_collections.ConfigDict, eos_ids: int | tuple[int, ...], pad_id: int
+) -> SamplingConfig:
+    """The training sampler's options; greedy and evaluation sampling are `.replace(...)`.
+
+    `eos_ids`: the tokenizer's end-of-sequence ids (any of them ends a completion)."""
+    eos_ids = (eos_ids,) if isinstance(eos_ids, int) else tuple(eos_ids)
     s = c.sampling
     try:
         return SamplingConfig(
@@ -195,7 +258,7 @@ def sampling_config(c: ml_collections.ConfigDict, eos_id: int, pad_id: int) -> S
             temperature=s.temperature,
             top_k=s.top_k,
             top_p=s.top_p,
-            eos_ids=(eos_id,),
+            eos_ids=eos_ids,
             pad_id=pad_id,
         )
     except ValueError as e:
@@ -214,6 +277,30 @@ def make_mesh(c: ml_collections.ConfigDict):
     return sharding.make_mesh(**mesh_sizes(c, jax.device_count()))
 
 
+def tokenizer(c: ml_collections.ConfigDict):
+    """The run's tokenizer: `data.tokenizer`, else the pretrained directory's, else the
+    shipped SentencePiece model; a vocabulary larger than the model's is an error."""
+    from jaxrl_llm.data import load_tokenizer
+
+    path = c.data.tokenizer or c.model.pretrained or None
+    key = "data.tokenizer" if c.data.tokenizer else "model.pretrained"
+    try:
+        tok = load_tokenizer(path)
+    except (OSError, ValueError) as e:
+        _fail(key, str(e))
+    vocab = model_config(c).vocab_size
+    if path is None and tok.vocab_size != vocab:  # the built-in model and tokenizer
+        _fail("model.vocab_size", f"{vocab} != the tokenizer's {tok.vocab_size}")
+    if tok.vocab_size > vocab:
+        _fail(key, f"the tokenizer has {tok.vocab_size} ids but the model only {vocab}")
+    if c.data.template == CHAT_TEMPLATE and tok.chat_template is None:
+        _fail(
+            "data.template",
+            f"'chat' needs a tokenizer with a chat template; {path or 'the built-in'} has none",
+        )
+    return tok
+
+
 def resolve_checkpoint(spec: str) -> pathlib.Path | None:
     if not spec:
         return None
@@ -222,23 +309,47 @@ def resolve_checkpoint(spec: str) -> pathlib.Path | None:
     return pathlib.Path(spec).expanduser()
 
 
-def reward_fns(c: ml_collections.ConfigDict) -> tuple:
-    """The configured reward functions, built (and so validated) from rewards.names/kwargs."""
+def reward_labels(c: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """The metric label of each reward in rewards.names (rewards.reward_label)."""
     if not c.rewards.names:
         _fail("rewards.names", "at least one reward is needed")
-    for name in c.rewards.kwargs:
-        if name not in c.rewards.names:
-            _fail(f"rewards.kwargs.{name}", f"{name!r} is not in rewards.names")
+    try:
+        return tuple(rewards_lib.reward_labels(tuple(c.rewards.names)))
+    except ValueError as e:
+        _fail("rewards.names", str(e))
+
+
+def reward_kwargs(c: ml_collections.ConfigDict) -> dict[str, dict]:
+    """rewards.kwargs as plain dicts keyed by label."""
+    return {label: dict(kw) for label, kw in c.rewards.kwargs.items()}
+
+
+def reward_fns(c: ml_collections.ConfigDict) -> tuple:
+    """The configured reward functions, resolved (so validated) from rewards.names/kwargs."""
+    labels = reward_labels(c)
+    for label in c.rewards.kwargs:
+        if label not in labels:
+            _fail(f"rewards.kwargs.{label}", f"{label!r} is not the label of a reward in names")
     fns = []
-    for name in c.rewards.names:
-        if name not in REWARDS:
-            _fail("rewards.names", f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
-        kwargs = dict(c.rewards.kwargs.get(name, {}))
+    for name, label in zip(c.rewards.names, labels):
+        kwargs = dict(c.rewards.kwargs.get(label, {}))
         try:
-            fns.append(REWARDS[name](**kwargs))
+            fns.append(rewards_lib.resolve_reward(name, **kwargs))
+        except rewards_lib.RewardSpecError as e:
+            _fail("rewards.names" if e.key == "names" else f"rewards.kwargs.{label}", str(e))
         except (TypeError, ValueError) as e:
-            _fail(f"rewards.kwargs.{name}", str(e))
+            _fail(f"rewards.kwargs.{label}", str(e))
     return tuple(fns)
+
+
+def reward_pool(c: ml_collections.ConfigDict) -> rewards_lib.RewardPool:
+    """The run's `RewardPool` (workers and timeout from the config); close it when done."""
+    return rewards_lib.RewardPool(
+        tuple(c.rewards.names),
+        reward_kwargs(c),
+        num_workers=c.rewards.num_workers,
+        timeout_s=c.rewards.timeout_s,
+    )
 
 
 def example_rollouts(c: ml_collections.ConfigDict) -> Rollouts:
@@ -265,7 +376,12 @@ def _check_chain_shapes(c: ml_collections.ConfigDict) -> None:
 
 def validate(c: ml_collections.ConfigDict) -> None:
     """Raises ValueError naming the first bad key. Runs before any compilation."""
-    model_config(c)
+    model = model_config(c)
+    if c.lora.rank:
+        try:
+            lora.check_targets(c.lora.targets)
+        except ValueError as e:
+            raise ValueError(f"config.{e}") from None
     loss = loss_config(c)
     rl, s = c.rl, c.sampling
     if rl.prompts_per_step < 1:
@@ -294,19 +410,29 @@ def validate(c: ml_collections.ConfigDict) -> None:
         _fail("sampling.temperature", f"expected >= 0, got {s.temperature}")
     if not 0 < s.top_p <= 1:
         _fail("sampling.top_p", f"expected a value in (0, 1], got {s.top_p}")
-    if not 0 <= s.top_k <= c.model.vocab_size:
+    if not 0 <= s.top_k <= model.vocab_size:
         _fail("sampling.top_k", f"expected 0 <= top_k <= vocab_size, got {s.top_k}")
     reward_fns(c)
+    if c.rewards.num_workers < 0:
+        _fail("rewards.num_workers", f"expected >= 0, got {c.rewards.num_workers}")
+    if c.rewards.timeout_s < 0:
+        _fail("rewards.timeout_s", f"expected >= 0, got {c.rewards.timeout_s}")
     _check_chain_shapes(c)
-    builtin = ":" not in c.data.source and not c.data.source.endswith(".jsonl")
+    builtin = ":" not in c.data.source and not c.data.source.endswith((".jsonl", ".parquet"))
     if builtin and c.data.train_split not in SPLITS:
         _fail(
             "data.train_split", f"unknown split {c.data.train_split!r}; known: {', '.join(SPLITS)}"
         )
-    if c.data.template not in TEMPLATES:
+    if c.data.template not in TEMPLATE_NAMES:
         _fail(
-            "data.template", f"unknown template {c.data.template!r}; known: {', '.join(TEMPLATES)}"
+            "data.template",
+            f"unknown template {c.data.template!r}; known: {', '.join(TEMPLATE_NAMES)}",
         )
+    if c.data.template != CHAT_TEMPLATE:
+        for key in ("system_prompt", "chat_template_kwargs"):
+            if c.data[key]:
+                _fail(f"data.{key}", f"only used with data.template={CHAT_TEMPLATE!r}")
+    tokenizer(c)
     if c.data.eval_prompts < 1:
         _fail("data.eval_prompts", f"expected >= 1, got {c.data.eval_prompts}")
     if c.train.eval_temperature < 0:
@@ -325,8 +451,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     sizes = mesh_sizes(c, jax.device_count())
     sharding.validate_mesh(
         sizes,
-        n_heads=c.model.n_heads,
-        n_kv_heads=c.model.n_kv_heads,
+        n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads,
         rows=rl.prompts_per_step * rl.group_size,
         num_devices=jax.device_count(),
     )
@@ -338,6 +464,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
             "rl.prompts_per_step",
             f"{rl.prompts_per_step} prompts do not split over {jax.process_count()} processes",
         )
-    ckpt = resolve_checkpoint(c.init.checkpoint)
+    ckpt = None if c.model.pretrained else resolve_checkpoint(c.init.checkpoint)
     if ckpt is not None and not ckpt.exists():
         _fail("init.checkpoint", f"{c.init.checkpoint!r}: no file at {ckpt}")

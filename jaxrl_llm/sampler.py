@@ -29,7 +29,7 @@ from jaxrl_llm.models import (
     split_layers,
     unembed,
 )
-from jaxrl_llm.models.transformer import rope_tables
+from jaxrl_llm.models.transformer import rope_sets
 
 
 @flax.struct.dataclass
@@ -153,7 +153,8 @@ def _generate(
     params = split_layers(params, fuse=True)  # once, outside the loops
     # RoPE sin/cos of every position a decode step can feed, computed once: gathering a
     # row per step is much cheaper than recomputing sin/cos inside each fused layer op.
-    sin_tab, cos_tab = rope_tables(jnp.arange(lp + t_max)[None], config)  # [1, P, 1, H/2]
+    # One (sin, cos) table per RoPE base the layers use (two for Gemma 3's local layers).
+    rope_tabs = rope_sets(jnp.arange(lp + t_max)[None], config)  # each [1, P, 1, H/2]
     cache = init_cache(config, b, sizes[0])
     h, cache = hidden_states(
         params, config, prompts, positions_from_mask(prompt_mask), kv_valid[:, : sizes[0]], cache, 0
@@ -201,7 +202,7 @@ def _generate(
             tokens, cache = carry[0], carry[5]
             prev = lax.dynamic_index_in_dim(tokens, i - 1, axis=1)  # [B, 1]
             pos = (prompt_lengths + i - 1)[:, None]
-            rope = (sin_tab[0, pos], cos_tab[0, pos])  # [B, 1, 1, H/2]
+            ropes = tuple((st[0, pos], ct[0, pos]) for st, ct in rope_tabs)  # [B, 1, 1, H/2]
             outs = [
                 hidden_states(
                     params,
@@ -211,7 +212,7 @@ def _generate(
                     valid[g],
                     c,
                     lp + i - 1,
-                    (rope[0][g], rope[1][g]),
+                    tuple((sn[g], cs[g]) for sn, cs in ropes),
                 )
                 for g, c in zip(groups, cache, strict=True)
             ]

@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 
 from jaxrl_llm import rewards as rewards_lib
 from jaxrl_llm import sharding
-from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
+from jaxrl_llm.models import ModelConfig, init_params, lora, param_logical_axes
 from jaxrl_llm.sampler import Rollout, SamplingConfig, make_generate_fn
 from jaxrl_llm.train_step import (
     LossConfig,
@@ -191,10 +191,10 @@ def decode_and_score(
     *,
     answers: Sequence[str],
     metadata: Sequence[Any],
-    reward_fns: Sequence[Any],
+    reward_fns: rewards_lib.RewardPool | Sequence[Any],
     decode: Callable[[list[int]], str],
     timer: Callable[[str], Any] | None = None,
-) -> tuple[Rollout, np.ndarray]:
+) -> tuple[Rollout, rewards_lib.ScoreResult]:
     """Samples completions and scores this process's rows where they live.
 
     Used by training (G samples per prompt) and evaluation (greedy, or n samples).
@@ -204,12 +204,12 @@ def decode_and_score(
       prompts, prompt_mask: global [N, Lp] arrays sharded by rows.
       key: the sampler's key argument (`key_data`).
       answers, metadata: this process's rows' reference answers and task fields.
-      reward_fns: reward functions or names (`rewards.score`).
+      reward_fns: a `rewards.RewardPool`, or reward functions or names.
       decode: token ids -> text.
       timer: optional `metrics.StageTimer`; times the "sample" and "score" stages.
     Returns:
-      (the global Rollout, float32[n_local, K] rewards of this process's rows; NaN where
-      a reward function failed).
+      (the global Rollout, the `rewards.ScoreResult` of this process's rows: `.rewards`
+      float32[n_local, K], NaN where a reward function failed, and the failure counts).
     """
     stage = timer or (lambda name: contextlib.nullcontext())
     with stage("sample"):
@@ -219,8 +219,10 @@ def decode_and_score(
         if len(answers) != tokens.shape[0]:
             raise ValueError(f"answers: {len(answers)} for {tokens.shape[0]} local rows")
         texts = [decode(tokens[i, : lengths[i]].tolist()) for i in range(tokens.shape[0])]
-        r = rewards_lib.score(reward_fns, texts, lengths, list(answers), list(metadata))
-    return rollout, np.asarray(r, np.float32)
+        result = rewards_lib.score_with_errors(
+            reward_fns, texts, lengths, list(answers), list(metadata)
+        )
+    return rollout, result
 
 
 # ------------------------------------------------------------------------------ compiled
@@ -234,18 +236,30 @@ class Stages:
     rules: tuple
     rows: jax.sharding.NamedSharding  # [N, ...] arrays: rows over the batch axes
     replicated: jax.sharding.NamedSharding
-    param_shardings: Any
+    param_shardings: Any  # of the policy: base + adapters under LoRA
+    frozen_shardings: Any  # of the frozen base under LoRA, else {}
     state_shardings: TrainState
-    init_params: Callable[[], Any]  # () -> params, created sharded
-    init_state: Callable[[Any, Any], TrainState]  # (params, transform_state) -> state
+    init_params: Callable[[], Any]  # () -> policy params, created sharded
+    init_state: Callable[[Any, Any], TrainState]  # (trained params, transform_state) -> state
     generate: Callable  # (params, prompts, mask, key) -> Rollout
     greedy: Callable
     eval_generate: Callable
     to_batch: Callable  # (prompts, mask, rollout) -> TrainBatch
     policy_pass: Callable  # (params, batch) -> (logps, entropy) [N, T]
+    ref_pass: Callable  # (reference params, batch) -> (logps, entropy) [N, T]
     chain: Callable  # (scored, transform_state, entropy) -> (batch, rollouts, state)
     trained_groups: Callable  # (scored, transform_state) -> bool[P]
-    update: Callable  # (state, batch) -> (state, metrics), state donated
+    update: Callable  # (state, batch, frozen) -> (state, metrics), state donated
+    lora: bool = False  # whether the policy carries LoRA adapters
+
+    def split(self, params) -> tuple[Any, Any]:
+        """(trained, frozen) parts of the policy params: (adapters, base) under LoRA,
+        else (params, {})."""
+        return lora.split(params) if self.lora else (params, {})
+
+    def policy(self, state: TrainState, frozen) -> Any:
+        """The policy params of `state` (no copy: a dict union under LoRA)."""
+        return lora.combine(state.params, frozen) if self.lora else state.params
 
 
 def _traced_under_rules(fn, mesh, rules):
@@ -273,29 +287,60 @@ def build_stages(
     rules: Sequence[tuple[str, Any]],
     load_params: Callable[[Any], Any] | None = None,
     seed: int = 0,
+    lora_targets: Sequence[str] = (),
 ) -> Stages:
     """Jits every stage of the run over `mesh` (see the module docstring).
 
-    `load_params(abstract)` returns the initial params placed like `abstract` (a pytree
-    of `jax.ShapeDtypeStruct`s with shardings); None = random init from `seed`.
+    `load_params(abstract)` returns the initial (base) params placed like `abstract` (a
+    pytree of `jax.ShapeDtypeStruct`s with shardings); None = random init from `seed`.
+
+    With `model.lora_rank > 0`, LoRA adapters (`models.lora`) are created for
+    `lora_targets` beside the base weights: the policy is base + adapters, the update
+    trains the adapters only (`TrainState.params` holds them, the base is its `frozen`
+    argument), the samplers decode with the adapters merged into the weights, and
+    `ref_pass` scores with the base alone.
     """
     rules = tuple((name, axes) for name, axes in rules)
     rows = sharding.batch_sharding(mesh, rules, 1)  # P(batch axes): any rank >= 1
     rep = sharding.replicated(mesh)
     init_key = jax.random.fold_in(jax.random.key(seed), 1)
-    abstract = jax.eval_shape(lambda: init_params(model, init_key))
-    param_sh = sharding.tree_shardings(param_logical_axes(model), abstract, mesh, rules)
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, param_sh
+    use_lora = model.lora_rank > 0
+    lora_key = jax.random.fold_in(jax.random.key(seed), 3)
+
+    def placed(abstract, axes):
+        shardings = sharding.tree_shardings(axes, abstract, mesh, rules)
+        return shardings, jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+        )
+
+    base_sh, base_abstract = placed(
+        jax.eval_shape(lambda: init_params(model, init_key)), param_logical_axes(model)
     )
     if load_params is None:
-        make_params = jax.jit(lambda: init_params(model, init_key), out_shardings=param_sh)
+        make_base = jax.jit(lambda: init_params(model, init_key), out_shardings=base_sh)
     else:
-        make_params = functools.partial(load_params, abstract)
+        make_base = functools.partial(load_params, base_abstract)
+    if use_lora:
+        targets = lora.check_targets(lora_targets)
+        adapter_sh, adapter_abstract = placed(
+            jax.eval_shape(lambda: lora.init_adapters(model, lora_key, targets)),
+            lora.adapter_logical_axes(model, targets),
+        )
+        make_adapters = jax.jit(
+            lambda: lora.init_adapters(model, lora_key, targets), out_shardings=adapter_sh
+        )
+        param_sh = lora.combine(adapter_sh, base_sh)
+        trained_sh, frozen_sh, trained_abstract = adapter_sh, base_sh, adapter_abstract
+
+        def make_params():
+            return lora.combine(make_adapters(), make_base())
+    else:
+        param_sh, make_params = base_sh, make_base
+        trained_sh, frozen_sh, trained_abstract = base_sh, {}, base_abstract
     opt_sh = sharding.opt_state_shardings(
-        optimizer, jax.eval_shape(optimizer.init, abstract), param_sh, mesh
+        optimizer, jax.eval_shape(optimizer.init, trained_abstract), trained_sh, mesh
     )
-    opt_init = jax.jit(optimizer.init, in_shardings=(param_sh,), out_shardings=opt_sh)
+    opt_init = jax.jit(optimizer.init, in_shardings=(trained_sh,), out_shardings=opt_sh)
 
     def init_state(params, transform_state) -> TrainState:
         rng = jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 2))
@@ -307,7 +352,9 @@ def build_stages(
             transform_state=replicate(transform_state, rep),
         )
 
-    state_sh = TrainState(step=rep, params=param_sh, opt_state=opt_sh, rng=rep, transform_state=rep)
+    state_sh = TrainState(
+        step=rep, params=trained_sh, opt_state=opt_sh, rng=rep, transform_state=rep
+    )
 
     def jit(fn, **kw):
         return jax.jit(_traced_under_rules(fn, mesh, rules), **kw)
@@ -316,16 +363,24 @@ def build_stages(
         fn = make_generate_fn(model, s)
 
         def generate(params, prompts, mask, key_data):  # raw key data: replicable as an array
+            # Adapters are folded into the weights once per call: decoding then runs one
+            # (fused) matmul per projection, as without LoRA.
+            params = lora.merge(params, model)
             return fn(params, prompts, mask, jax.random.wrap_key_data(key_data))
 
         return jit(generate, in_shardings=(param_sh, rows, rows, rep), out_shardings=rows)
 
     temperature = loss.temperature
-    policy_pass = jit(
-        lambda params, batch: completion_logps(params, model, batch, temperature),
-        in_shardings=(param_sh, rows),
-        out_shardings=rows,
-    )
+
+    def scorer(shardings):
+        return jit(
+            lambda params, batch: completion_logps(params, model, batch, temperature),
+            in_shardings=(shardings, rows),
+            out_shardings=rows,
+        )
+
+    policy_pass = scorer(param_sh)
+    ref_pass = scorer(base_sh) if use_lora else policy_pass
     # Rollouts [P, G, ...] and group flags are small: replicated, whatever P is.
     chain_fn = jit(
         functools.partial(apply_chain, chain, group_size),
@@ -339,7 +394,7 @@ def build_stages(
     )
     update = jit(
         make_train_step(model, loss, optimizer),
-        in_shardings=(state_sh, rows),
+        in_shardings=(state_sh, rows, frozen_sh),
         out_shardings=(state_sh, rep),
         donate_argnums=0,
     )
@@ -349,6 +404,7 @@ def build_stages(
         rows=rows,
         replicated=rep,
         param_shardings=param_sh,
+        frozen_shardings=frozen_sh,
         state_shardings=state_sh,
         init_params=make_params,
         init_state=init_state,
@@ -357,7 +413,9 @@ def build_stages(
         eval_generate=sampler(eval_sampling),
         to_batch=jit(rollouts_to_batch, in_shardings=(rows, rows, rows), out_shardings=rows),
         policy_pass=policy_pass,
+        ref_pass=ref_pass,
         chain=chain_fn,
         trained_groups=groups_fn,
         update=update,
+        lora=use_lora,
     )

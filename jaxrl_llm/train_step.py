@@ -20,7 +20,7 @@ from flax import struct
 
 from jaxrl_llm import losses
 from jaxrl_llm._checks import check_choice
-from jaxrl_llm.models import ModelConfig, positions_from_mask, token_logps_and_entropy
+from jaxrl_llm.models import ModelConfig, lora, positions_from_mask, token_logps_and_entropy
 
 
 @struct.dataclass
@@ -186,12 +186,17 @@ def make_train_step(model: ModelConfig, cfg: LossConfig, optimizer: optax.Gradie
     Reference log-probs arrive precomputed in the batch (`TrainBatch.ref_logps`), so
     the step never holds a second copy of the parameters.
 
+    `state.params` are the trained parameters. With LoRA they are the adapters only and
+    `frozen` (the third argument of `step`) is the base they adapt: the policy is
+    `lora.combine(state.params, frozen)`, and gradients, optimizer state and updates
+    exist for the adapters alone. Without LoRA `frozen` is None (or {}).
+
     Metrics are means over the mini-batch updates of the call: "loss", "grad_norm"
     (before clipping), and token means of "policy_loss", "kl", "entropy", "ratio",
     "clip_frac_high", "clip_frac_low", "dual_clip_frac", "approx_kl_old".
     """
 
-    def minibatch_update(carry, mb: TrainBatch):
+    def minibatch_update(carry, mb: TrainBatch, frozen):
         params, opt_state = carry
         _, n_micro = cfg.micro_batches(cfg.num_minibatches * mb.tokens.shape[0])
         _, denom = losses.aggregate(
@@ -200,9 +205,12 @@ def make_train_step(model: ModelConfig, cfg: LossConfig, optimizer: optax.Gradie
         denom = jnp.maximum(denom, 1e-8)  # an all-masked mini-batch gives a zero update
         micro = jax.tree.map(functools.partial(_strided_split, n=n_micro), mb)
 
+        def objective(trainable, mic):
+            return loss_terms(lora.combine(trainable, frozen), model, cfg, mic)
+
         def accumulate(acc, mic):
             grads, sums = acc
-            (total, s), g = jax.value_and_grad(loss_terms, has_aux=True)(params, model, cfg, mic)
+            (total, s), g = jax.value_and_grad(objective, has_aux=True)(params, mic)
             s = {**s, "loss_total": total}
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s)), None
 
@@ -211,7 +219,10 @@ def make_train_step(model: ModelConfig, cfg: LossConfig, optimizer: optax.Gradie
         (grads, sums), _ = jax.lax.scan(accumulate, (grads0, zero_sums), micro)
         grads = jax.tree.map(lambda g: g / denom, grads)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        # Optimizer state keeps the dtypes it was created with: with bfloat16 params the
+        # AdamW moments are bfloat16 too (float32 master weights: model.param_dtype).
+        opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_opt_state, opt_state)
         params = optax.apply_updates(params, updates)
         tokens = jnp.maximum(sums.pop("tokens"), 1.0)
         metrics = {k: v / tokens for k, v in sums.items() if k != "loss_total"}
@@ -219,7 +230,9 @@ def make_train_step(model: ModelConfig, cfg: LossConfig, optimizer: optax.Gradie
         metrics["grad_norm"] = grad_norm
         return (params, opt_state), metrics
 
-    def step(state: TrainState, batch: TrainBatch):
+    def step(state: TrainState, batch: TrainBatch, frozen=None):
+        frozen = {} if frozen is None else frozen
+        update = functools.partial(minibatch_update, frozen=frozen)
         rows = batch.tokens.shape[0]
         cfg.micro_batches(rows)  # validates the divisibility at trace time
         rng, perm_key = jax.random.split(jax.random.wrap_key_data(state.rng))
@@ -232,7 +245,7 @@ def make_train_step(model: ModelConfig, cfg: LossConfig, optimizer: optax.Gradie
                 perm = jax.random.permutation(key, rows)
                 shuffled = jax.tree.map(lambda x: x[perm], batch)
             mbs = jax.tree.map(functools.partial(_strided_split, n=cfg.num_minibatches), shuffled)
-            return jax.lax.scan(minibatch_update, carry, mbs)
+            return jax.lax.scan(update, carry, mbs)
 
         (params, opt_state), metrics = jax.lax.scan(epoch, (state.params, state.opt_state), keys)
         metrics = jax.tree.map(jnp.mean, metrics)

@@ -28,16 +28,23 @@ from jax.experimental import multihost_utils
 
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import evaluation, metrics, stages, transforms
+from jaxrl_llm import rewards as rewards_lib
 from jaxrl_llm.checkpoint import Checkpointer, load_params_safetensors
-from jaxrl_llm.data import PromptBatch, Tokenizer, make_pipeline, make_source
+from jaxrl_llm.data import HFTokenizer, PromptBatch, Tokenizer, make_pipeline, make_source
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.train_step import TrainState, make_optimizer
 
 
-def _source(key: str, spec: str, split: str, data_dir):
+def _source(c: ml_collections.ConfigDict, key: str, spec: str, split: str):
     """`make_source`, with its errors naming the config key."""
     try:
-        return make_source(spec, split, data_dir=data_dir)
+        return make_source(
+            spec,
+            split,
+            data_dir=c.data.data_dir or None,
+            prompt_key=c.data.prompt_key or None,
+            answer_key=c.data.answer_key or None,
+        )
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise ValueError(f"config.{key}: {spec!r}: {e}") from None
 
@@ -55,15 +62,24 @@ def load_initial_params(config: ml_collections.ConfigDict, model: ModelConfig, k
     return load_params_safetensors(path, like=like)
 
 
+def _load_pretrained(path, model: ModelConfig, rules, like):
+    """A Hugging Face checkpoint's weights in `model.param_dtype`, placed like `like`."""
+    from jaxrl_llm.models import hf
+
+    mesh = jax.tree.leaves(like)[0].sharding.mesh
+    _, params = hf.load_pretrained(path, dtype=model.param_dtype, mesh=mesh, rules=rules)
+    return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, like)
+
+
 @dataclasses.dataclass
 class Run:
     """Everything `train_and_evaluate` loops over, built once by `setup`."""
 
     config: ml_collections.ConfigDict
     model: ModelConfig
-    tokenizer: Tokenizer
-    reward_names: tuple[str, ...]
-    reward_fns: tuple
+    tokenizer: Tokenizer | HFTokenizer
+    reward_names: tuple[str, ...]  # metric labels, one per reward column
+    reward_fns: rewards_lib.RewardPool  # close() when the run ends
     chain: transforms.RolloutTransform
     stages: stages.Stages
     pipeline: Any  # grain IterDataset of global PromptBatches
@@ -78,20 +94,19 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     config_lib.validate(config)
     c = config
     model = config_lib.model_config(c)
-    tokenizer = Tokenizer.load()
-    if tokenizer.vocab_size != model.vocab_size:
-        raise ValueError(
-            f"config.model.vocab_size: {model.vocab_size} != the tokenizer's {tokenizer.vocab_size}"
-        )
+    pretrained = config_lib.pretrained_dir(c)
+    tokenizer = config_lib.tokenizer(c)
     p, g = c.rl.prompts_per_step, c.rl.group_size
     chain = transforms.from_spec([(name, dict(kwargs)) for name, kwargs in c.rl.transforms])
-    data_dir = c.data.data_dir or None
     # Process 0 builds a missing TFDS dataset first: concurrent builds of one directory race.
     if jax.process_index() == 0:
-        source = _source("data.source", c.data.source, c.data.train_split, data_dir)
+        source = _source(c, "data.source", c.data.source, c.data.train_split)
     multihost_utils.sync_global_devices("jaxrl_llm: data prepared")
     if jax.process_index() != 0:
-        source = _source("data.source", c.data.source, c.data.train_split, data_dir)
+        source = _source(c, "data.source", c.data.source, c.data.train_split)
+    chat = dict(
+        system_prompt=c.data.system_prompt, chat_kwargs=dict(c.data.chat_template_kwargs) or None
+    )
     pipeline = make_pipeline(
         source,
         tokenizer,
@@ -101,10 +116,11 @@ def setup(config: ml_collections.ConfigDict) -> Run:
         template=c.data.template,
         shard_index=0,  # the global batch on every process; each keeps its rows
         shard_count=1,
+        **chat,
     )
     eval_spec = c.data.eval_source or c.data.source
     key = "data.eval_source" if c.data.eval_source else "data.source"
-    eval_source = _source(key, eval_spec, "test", data_dir)
+    eval_source = _source(c, key, eval_spec, "test")
     n_eval = min(c.data.eval_prompts, len(eval_source))
     eval_batch = next(
         iter(
@@ -116,6 +132,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
                 shuffle=False,
                 num_epochs=1,
                 template=c.data.template,
+                **chat,
                 split="test",
                 shard_index=0,  # every process holds the whole eval set, keeps its rows
                 shard_count=1,
@@ -127,7 +144,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     eval_batch = _pad_rows(eval_batch, -(-n_eval // shards) * shards)
 
     loss = config_lib.loss_config(c)
-    sampling = config_lib.sampling_config(c, tokenizer.eos_id, tokenizer.pad_id)
+    sampling = config_lib.sampling_config(c, tokenizer.eos_ids, tokenizer.pad_id)
     o = c.optim
     optimizer = make_optimizer(
         learning_rate=o.learning_rate,
@@ -141,7 +158,9 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     )
     init_key = jax.random.fold_in(jax.random.key(c.seed), 1)
     load = None
-    if config_lib.resolve_checkpoint(c.init.checkpoint) is not None:
+    if pretrained is not None:
+        load = lambda like: _load_pretrained(pretrained, model, c.mesh.rules, like)
+    elif config_lib.resolve_checkpoint(c.init.checkpoint) is not None:
         load = lambda like: load_initial_params(c, model, init_key, like)
     built = stages.build_stages(
         model=model,
@@ -156,13 +175,14 @@ def setup(config: ml_collections.ConfigDict) -> Run:
         rules=c.mesh.rules,
         load_params=load,
         seed=c.seed,
+        lora_targets=tuple(c.lora.targets) if c.lora.rank else (),
     )
     return Run(
         config=c,
         model=model,
         tokenizer=tokenizer,
-        reward_names=tuple(c.rewards.names),
-        reward_fns=config_lib.reward_fns(c),
+        reward_names=config_lib.reward_labels(c),
+        reward_fns=config_lib.reward_pool(c),
         chain=chain,
         stages=built,
         pipeline=pipeline,
@@ -200,11 +220,14 @@ def _repeated_rows(st: stages.Stages, batch: PromptBatch, repeat: int):
     return stages.to_global(tokens, st.rows), stages.to_global(mask, st.rows), answers, meta
 
 
-def _sample_round(run: Run, params, batch: PromptBatch, key, timer) -> stages.Scored:
-    """G completions of each of the batch's P prompts, scored on the rows' own processes."""
+def _sample_round(run: Run, params, batch: PromptBatch, key, timer):
+    """G completions of each of the batch's P prompts, scored on the rows' own processes.
+
+    Returns (Scored, {metric: count}): the reward failures (errors, non-finite values,
+    timeouts) per reward, summed over processes."""
     st = run.stages
     prompts, prompt_mask, answers, meta = _repeated_rows(st, batch, run.G)
-    rollout, r = stages.decode_and_score(
+    rollout, result = stages.decode_and_score(
         st.generate,
         params,
         prompts,
@@ -216,27 +239,39 @@ def _sample_round(run: Run, params, batch: PromptBatch, key, timer) -> stages.Sc
         decode=run.tokenizer.decode,
         timer=timer,
     )
-    return stages.Scored(
+    scored = stages.Scored(
         batch=st.to_batch(prompts, prompt_mask, rollout),
-        rewards=stages.to_global(r, st.rows),  # [N, K]
+        rewards=stages.to_global(result.rewards, st.rows),  # [N, K]
         truncated=rollout.truncated,
     )
+    failures = result.metrics()
+    if jax.process_count() > 1:
+        names = sorted(failures)
+        counts = np.asarray([failures[k] for k in names], np.float64)
+        summed = multihost_utils.process_allgather(counts).sum(0)
+        failures = dict(zip(names, summed.tolist()))
+    return scored, failures
 
 
 def collect(run: Run, params, data_iter, state: TrainState, step: int, timer):
     """One batch of P scored groups; with DAPO dynamic sampling, extra rounds replace the
     groups the chain would not train on (`stages.trained_groups`)."""
     key = jax.random.fold_in(jax.random.key(run.config.seed), step)
-    scored = _sample_round(run, params, next(data_iter), jax.random.fold_in(key, 0), timer)
+    scored, failures = _sample_round(
+        run, params, next(data_iter), jax.random.fold_in(key, 0), timer
+    )
     rounds = run.config.rl.dynamic_sampling_rounds
     if not rounds:
-        return scored, {}
+        return scored, failures
     st = run.stages
     parts, flags = [scored], [stages.to_host(st.trained_groups(scored, state.transform_state))]
     used = 0
     while sum(int(f.sum()) for f in flags) < run.P and used < rounds:
         used += 1
-        extra = _sample_round(run, params, next(data_iter), jax.random.fold_in(key, used), timer)
+        extra, more = _sample_round(
+            run, params, next(data_iter), jax.random.fold_in(key, used), timer
+        )
+        failures = {k: failures.get(k, 0) + v for k, v in more.items()}
         parts.append(extra)
         flags.append(stages.to_host(st.trained_groups(extra, state.transform_state)))
     flag = np.concatenate(flags)  # bool[P * (used + 1)]
@@ -248,23 +283,27 @@ def collect(run: Run, params, data_iter, state: TrainState, step: int, timer):
     scored = jax.jit(stages.select_groups, static_argnums=2, out_shardings=st.rows)(
         merged, groups, run.G
     )
-    info = {
+    info = failures | {
         "dynamic_sampling/rounds": used,
         "dynamic_sampling/shortfall": max(run.P - have, 0) / run.P,
     }
     return scored, info
 
 
-def prepare(run: Run, state: TrainState, ref_params, scored: stages.Scored):
-    """Policy passes the chain and the loss need, then the chain -> (batch, rollouts, state)."""
+def prepare(run: Run, state: TrainState, frozen, ref_params, scored: stages.Scored):
+    """Policy passes the chain and the loss need, then the chain -> (batch, rollouts, state).
+
+    `frozen`: the frozen base under LoRA (else {}); `ref_params`: the reference policy or
+    None (no KL term).
+    """
     st, c = run.stages, run.config
     batch, entropy = scored.batch, None
     if "entropy" in run.chain.needs or c.rl.recompute_old_logps:
-        logps, entropy = st.policy_pass(state.params, batch)
+        logps, entropy = st.policy_pass(st.policy(state, frozen), batch)
         if c.rl.recompute_old_logps:
             batch = batch.replace(old_logps=logps * batch.loss_weights)
     if ref_params is not None:  # the frozen reference policy
-        ref_logps, _ = st.policy_pass(ref_params, batch)
+        ref_logps, _ = st.ref_pass(ref_params, batch)
         batch = batch.replace(ref_logps=ref_logps * batch.loss_weights)
     batch, ro, transform_state = st.chain(
         scored.replace(batch=batch), state.transform_state, entropy
@@ -305,7 +344,7 @@ def evaluate(run: Run, params, step: int) -> dict:
 
     def correct(fn, repeat):
         tokens, mask, answers, meta = _repeated_rows(st, eb, repeat)
-        _, r = stages.decode_and_score(
+        _, result = stages.decode_and_score(
             fn,
             params,
             tokens,
@@ -316,7 +355,7 @@ def evaluate(run: Run, params, step: int) -> dict:
             reward_fns=("correct",),
             decode=run.tokenizer.decode,
         )
-        ok = stages.to_global(np.nan_to_num(r[:, 0]) > 0.5, st.rows)
+        ok = stages.to_global(np.nan_to_num(result.rewards[:, 0]) > 0.5, st.rows)
         return stages.to_host(ok).reshape(eb.batch_size, repeat)[: run.eval_rows]
 
     greedy = correct(st.greedy, 1)[:, 0]
@@ -373,13 +412,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     Returns the last logged metrics (including the final evaluation).
     """
     run = setup(config)
+    try:
+        return _train(run, workdir)
+    finally:
+        run.reward_fns.close()
+
+
+def _train(run: Run, workdir: str) -> dict:
     c, st = run.config, run.stages
     main = jax.process_index() == 0
-    params = st.init_params()
-    # The reference is the initial policy, created again (its own buffers: the update
-    # donates the policy's).
-    ref_params = st.init_params() if c.loss.beta else None
-    state = st.init_state(params, run.chain.init(config_lib.example_rollouts(c)))
+    trained, frozen = st.split(st.init_params())
+    # The reference is the initial policy. Under LoRA that is the frozen base itself (no
+    # copy); otherwise it is created again (its own buffers: the update donates the
+    # policy's).
+    if not c.loss.beta:
+        ref_params = None
+    else:
+        ref_params = frozen if st.lora else st.init_params()
+    state = st.init_state(trained, run.chain.init(config_lib.example_rollouts(c)))
     data_iter = iter(run.pipeline)
     ckpt = Checkpointer(f"{workdir}/checkpoints")
     start = 0
@@ -393,7 +443,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     progress = metrics.Progress(c.train.steps, enabled=c.train.progress and main)
     last: dict = {}
     if start == 0 and c.train.eval_every:
-        last = evaluate(run, state.params, 0)
+        last = evaluate(run, st.policy(state, frozen), 0)
         if writer:
             writer.write(0, last)
     done, stopped = start, False
@@ -401,11 +451,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         for step in range(start, c.train.steps):
             timer = metrics.StageTimer()
             t0 = time.perf_counter()
-            scored, info = collect(run, state.params, data_iter, state, step, timer)
+            policy = st.policy(state, frozen)
+            scored, info = collect(run, policy, data_iter, state, step, timer)
             with timer("prepare") as stage:
-                batch, ro, state = stage.block(prepare(run, state, ref_params, scored))
+                batch, ro, state = stage.block(prepare(run, state, frozen, ref_params, scored))
             with timer("update"):
-                state, train_metrics = st.update(state, batch)
+                state, train_metrics = st.update(state, batch, frozen)
                 train_metrics = stages.to_host_tree(train_metrics)
             elapsed = time.perf_counter() - t0
             record = {f"train/{k}": float(v) for k, v in train_metrics.items()}
@@ -416,7 +467,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             done = step + 1
             final = done == c.train.steps
             if c.train.eval_every and (done % c.train.eval_every == 0 or final):
-                record |= evaluate(run, state.params, done)
+                record |= evaluate(run, st.policy(state, frozen), done)
             if writer and c.train.log_every and (done % c.train.log_every == 0 or final):
                 writer.write(done, record)
             last = {**last, **record}

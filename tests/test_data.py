@@ -282,8 +282,135 @@ def test_jsonl_source(tmp_path, tok):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"answer": "3"}\n')
-    with pytest.raises(ValueError, match=re.escape("bad.jsonl:2: needs a string 'prompt'")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("bad.jsonl:2: no field 'prompt' (prompt_key); the fields are ['answer']"),
+    ):
         pipeline.jsonl_source(bad)
+    bad.write_text('{"prompt": 7, "answer": "7"}\n')
+    with pytest.raises(ValueError, match=r"'prompt' .prompt_key. must be a string, got int"):
+        pipeline.jsonl_source(bad)
+
+
+# Rows of a prompt file with its own field names, as datasets on the Hub often have them.
+ROWS = [
+    {"question": f"{i}+{i}=", "solution": 2 * i, "task": "arithmetic", "level": i % 3}
+    for i in range(10)
+]
+
+
+def test_jsonl_source_with_custom_keys(tmp_path, tok):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    ds = _pipe(
+        "jsonl:" + str(tmp_path / "{split}.jsonl"),
+        tok,
+        batch_size=5,
+        shuffle=False,
+        prompt_key="question",
+        answer_key="solution",
+    )
+    batch = next(iter(ds))
+    assert batch.prompts == tuple(f"{i}+{i}=" for i in range(5))
+    assert batch.answers == tuple(str(2 * i) for i in range(5))
+    assert [dict(m) for m in batch.metadata] == [
+        {"task": "arithmetic", "level": i % 3} for i in range(5)
+    ]
+    assert tok.decode(batch.tokens[3]) == "3+3="
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "train.jsonl:1: no field 'answer' (answer_key); the fields are "
+            "['level', 'question', 'solution', 'task']"
+        ),
+    ):
+        pipeline.make_source(str(path), prompt_key="question")
+
+
+def _write_parquet(path, rows, row_group_size):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
+
+
+def test_parquet_source_with_custom_keys(tmp_path, tok):
+    rows = [{**r, "tags": ["a", str(i)], "extra": {"k": i}} for i, r in enumerate(ROWS)]
+    path = tmp_path / "test.parquet"
+    _write_parquet(path, rows, row_group_size=3)  # 4 row groups: 3 + 3 + 3 + 1
+    source = pipeline.make_source(
+        str(tmp_path / "{split}.parquet"), "test", prompt_key="question", answer_key="solution"
+    )
+    assert isinstance(source, pipeline.ParquetSource) and len(source) == 10
+    assert source._groups == {}  # nothing read before the first access
+    # Random access across row groups returns each index's row.
+    for i in (9, 0, 4, 3, 8, 2):
+        record = source[i]
+        assert record["prompt"] == f"{i}+{i}=" and record["answer"] == str(2 * i)
+        assert record["metadata"] == {
+            "task": "arithmetic",
+            "level": i % 3,
+            "tags": ("a", str(i)),
+            "extra": {"k": i},
+        }
+    assert sorted(source._groups) == [0, 1, 2, 3]
+    with pytest.raises(IndexError):
+        source[10]
+    # Through the pipeline, by spec string, shuffled: every record once per epoch.
+    ds = _pipe(
+        f"parquet:{path}",
+        tok,
+        batch_size=5,
+        num_epochs=1,
+        seed=3,
+        prompt_key="question",
+        answer_key="solution",
+    )
+    batches = list(ds)
+    got = sorted((p, a) for b in batches for p, a in zip(b.prompts, b.answers))
+    assert got == sorted((f"{i}+{i}=", str(2 * i)) for i in range(10))
+    for b in batches:
+        for row in range(b.batch_size):
+            assert tok.decode(b.tokens[row]) == b.prompts[row]
+            assert b.metadata[row]["extra"]["k"] == int(b.answers[row]) // 2
+    # Picklable (grain worker processes): the copy re-reads its row groups.
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(source))
+    assert copy._groups == {} and copy[5] == source[5]
+
+
+def test_parquet_errors(tmp_path):
+    path = tmp_path / "p.parquet"
+    _write_parquet(path, ROWS, row_group_size=4)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "p.parquet: no column 'prompt' (prompt_key); the columns are "
+            "['question', 'solution', 'task', 'level']"
+        ),
+    ):
+        pipeline.parquet_source(path)
+    with pytest.raises(ValueError, match=re.escape("no column 'answer' (answer_key)")):
+        pipeline.make_source(f"parquet:{path}", prompt_key="question")
+    with pytest.raises(FileNotFoundError, match=r"Parquet prompt file .*nope.parquet"):
+        pipeline.make_source(str(tmp_path / "nope.parquet"))
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    with pytest.raises(ValueError, match=r"junk.parquet: not a readable Parquet file"):
+        pipeline.make_source(str(tmp_path / "junk.parquet"))
+    _write_parquet(path, [{"prompt": None, "answer": "1"}, {"prompt": "x", "answer": "2"}], 2)
+    source = pipeline.parquet_source(path)
+    assert source[1]["prompt"] == "x"
+    with pytest.raises(ValueError, match=re.escape("p.parquet: row 0: column 'prompt'")):
+        source[0]
+
+
+def test_prompt_keys_are_for_files_and_tfds(data_dir):
+    with pytest.raises(ValueError, match="prompt_key set for the built-in task 'arithmetic'"):
+        pipeline.make_source("arithmetic", prompt_key="question")
+    # Empty keys mean the defaults (the config's "").
+    source = pipeline.make_source("arithmetic", "test", data_dir=data_dir, prompt_key="")
+    assert source[0]["metadata"]["task"] == "arithmetic"
 
 
 class FakeGsm8k(tfds.core.GeneratorBasedBuilder, skip_registration=True):

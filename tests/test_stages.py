@@ -52,7 +52,7 @@ def grpo_run(data_dir):
     params, ref = st.init_params(), st.init_params()
     state = st.init_state(params, run.chain.init(trainer.config_lib.example_rollouts(c)))
     batch = next(iter(run.pipeline))
-    scored = trainer._sample_round(
+    scored, _ = trainer._sample_round(
         run, state.params, batch, jax.random.key(3), metrics.StageTimer()
     )
     # Rewards with distinct values in every group, so every row has its own advantage.
@@ -64,12 +64,12 @@ def grpo_run(data_dir):
 def test_rows_line_up_under_a_permutation_of_groups_and_members(grpo_run):
     run, state, ref, scored = grpo_run
     g = run.G
-    batch, _, _ = trainer.prepare(run, state, ref, scored)
+    batch, _, _ = trainer.prepare(run, state, {}, ref, scored)
     group_perm = np.array([2, 0, 3, 1])
     member_perm = np.array([1, 3, 0, 2])[:g]
     rows = (group_perm[:, None] * g + member_perm[None]).reshape(-1)
     permuted = jax.tree.map(lambda x: jnp.take(x, jnp.asarray(rows), axis=0), scored)
-    pbatch, _, _ = trainer.prepare(run, state, ref, permuted)
+    pbatch, _, _ = trainer.prepare(run, state, {}, ref, permuted)
     for name in ("tokens", "attention_mask", "advantages", "loss_weights", "old_logps"):
         np.testing.assert_allclose(
             getattr(pbatch, name), np.asarray(getattr(batch, name))[rows], atol=1e-6, err_msg=name
@@ -81,7 +81,7 @@ def test_rows_line_up_under_a_permutation_of_groups_and_members(grpo_run):
 def test_reference_logps_come_from_the_frozen_reference(grpo_run):
     run, state, ref, scored = grpo_run
     st = run.stages
-    before, _, _ = trainer.prepare(run, state, ref, scored)
+    before, _, _ = trainer.prepare(run, state, {}, ref, scored)
     # Row by row, each row's reference log-probs are its own tokens' under the reference.
     b = before
     t = b.loss_weights.shape[1]
@@ -97,9 +97,9 @@ def test_reference_logps_come_from_the_frozen_reference(grpo_run):
     # After updates the policy moves; the reference (and so ref_logps) does not.
     new_state = state
     for _ in range(3):
-        batch, _, new_state = trainer.prepare(run, new_state, ref, scored)
-        new_state, _ = st.update(jax.tree.map(jnp.copy, new_state), batch)
-    after, _, _ = trainer.prepare(run, new_state, ref, scored)
+        batch, _, new_state = trainer.prepare(run, new_state, {}, ref, scored)
+        new_state, _ = st.update(jax.tree.map(jnp.copy, new_state), batch, {})
+    after, _, _ = trainer.prepare(run, new_state, {}, ref, scored)
     np.testing.assert_allclose(after.ref_logps, before.ref_logps, atol=1e-6)
     moved, _ = st.policy_pass(new_state.params, after)
     w = np.asarray(after.loss_weights) > 0

@@ -8,7 +8,7 @@ import pytest
 
 from jaxrl_llm.data import tasks
 from jaxrl_llm.data.templates import ANSWER_CLOSE, ANSWER_OPEN, TEMPLATES, format_answer
-from jaxrl_llm.data.tokenizer import DEFAULT_MODEL_PATH, Tokenizer
+from jaxrl_llm.data.tokenizer import DEFAULT_MODEL_PATH, Tokenizer, load_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -71,6 +71,17 @@ def test_bos_eos_and_decode_of_sampler_output(tok):
     assert tok.decode(sampled) == "<answer>2</answer>"
     assert tok.decode([tok.pad_id, tok.bos_id, *completion]) == "<answer>2</answer>"
     assert tok.decode(sampled, stop_at_eos=False) == "<answer>2</answer>99"
+
+
+def test_builtin_interface_for_users_tokenizers(tok):
+    # The interface shared with HFTokenizer: one EOS, no chat template.
+    assert isinstance(load_tokenizer(None), Tokenizer) and isinstance(load_tokenizer(""), Tokenizer)
+    assert tok.eos_ids == (tok.eos_id,) and tok.chat_template is None
+    with pytest.raises(ValueError, match="has no chat template"):
+        tok.encode_prompt("3+4=", "chat")
+    with pytest.raises(ValueError, match="need template='chat'"):
+        tok.encode_prompt("3+4=", "plain", system_prompt="Be brief.")
+    assert tok.encode_prompt("3+4=", add_bos=False) == tok.encode("3+4=")
 
 
 def test_training_script_reproduces_the_shipped_model(tmp_path):

@@ -8,8 +8,16 @@ without paying for them.
 import importlib
 
 from jaxrl_llm.data.tasks import TASKS, generate, get_task
-from jaxrl_llm.data.templates import ANSWER_CLOSE, ANSWER_OPEN, TEMPLATES, format_answer
-from jaxrl_llm.data.tokenizer import Tokenizer
+from jaxrl_llm.data.templates import (
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
+    CHAT_TEMPLATE,
+    TEMPLATE_NAMES,
+    TEMPLATES,
+    format_answer,
+    render_chat_template,
+)
+from jaxrl_llm.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
 _LAZY = {
     "PromptBatch": "pipeline",
@@ -17,6 +25,7 @@ _LAZY = {
     "make_pipeline": "pipeline",
     "task_source": "pipeline",
     "jsonl_source": "pipeline",
+    "parquet_source": "pipeline",
     "tfds_source": "pipeline",
     "build_task_dataset": "tfds_builders",
 }
@@ -32,11 +41,16 @@ def __getattr__(name):
 __all__ = [
     "ANSWER_CLOSE",
     "ANSWER_OPEN",
+    "CHAT_TEMPLATE",
     "TASKS",
     "TEMPLATES",
+    "TEMPLATE_NAMES",
+    "HFTokenizer",
     "Tokenizer",
     "format_answer",
     "generate",
     "get_task",
+    "load_tokenizer",
+    "render_chat_template",
     *_LAZY,
 ]

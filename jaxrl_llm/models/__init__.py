@@ -1,6 +1,8 @@
-"""Decoder-only transformer family (Llama 2, Qwen2/2.5, Gemma) as pure functions."""
+"""Decoder-only transformer family (Llama, Qwen2/3, Gemma 1/2/3) as pure functions, and
+Hugging Face checkpoint import/export (`load_pretrained`, `save_pretrained`)."""
 
-from jaxrl_llm.models.config import ACTIVATIONS, DTYPES, ModelConfig
+from jaxrl_llm.models.config import ACTIVATIONS, ARCHITECTURES, DTYPES, ModelConfig
+from jaxrl_llm.models.hf import load_pretrained, save_pretrained
 from jaxrl_llm.models.partitioning import (
     LOGICAL_AXES,
     with_logical_constraint,
@@ -15,6 +17,7 @@ from jaxrl_llm.models.transformer import (
     logps_and_entropy_from_logits,
     param_logical_axes,
     positions_from_mask,
+    rope_sets,
     split_layers,
     token_logps,
     token_logps_and_entropy,
@@ -23,6 +26,7 @@ from jaxrl_llm.models.transformer import (
 
 __all__ = [
     "ACTIVATIONS",
+    "ARCHITECTURES",
     "DTYPES",
     "LOGICAL_AXES",
     "KVCache",
@@ -32,9 +36,12 @@ __all__ = [
     "hidden_states",
     "init_cache",
     "init_params",
+    "load_pretrained",
     "logps_and_entropy_from_logits",
     "param_logical_axes",
     "positions_from_mask",
+    "rope_sets",
+    "save_pretrained",
     "split_layers",
     "token_logps",
     "token_logps_and_entropy",

@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Llama 2, Qwen2/2.5, Gemma) as pure functions over a params pytree.
+"""Decoder-only transformer (Llama, Qwen2/3, Gemma 1/2/3) as pure functions over a params pytree.
 
 Parameters are nested dicts of arrays; per-layer weights are stacked along a leading
 "layers" axis and, without a KV cache (training, scoring), the blocks run under
@@ -20,6 +20,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxrl_llm.models.config import ModelConfig
@@ -138,6 +139,12 @@ def param_logical_axes(config: ModelConfig) -> Params:
         layers["q_bias"] = ("layers", "heads", "head_dim")
         layers["k_bias"] = ("layers", "kv_heads", "head_dim")
         layers["v_bias"] = ("layers", "kv_heads", "head_dim")
+    if config.qk_norm:
+        layers["q_norm"] = ("layers", "head_dim")
+        layers["k_norm"] = ("layers", "head_dim")
+    if config.sandwich_norms:
+        layers["post_attn_norm"] = ("layers", "embed")
+        layers["post_mlp_norm"] = ("layers", "embed")
     axes: Params = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("embed",)}
     if not config.tie_embeddings:
         axes["unembed"] = ("embed", "vocab")
@@ -184,6 +191,12 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
         layers["q_bias"] = jnp.zeros((nl, n, h), dtype)
         layers["k_bias"] = jnp.zeros((nl, k, h), dtype)
         layers["v_bias"] = jnp.zeros((nl, k, h), dtype)
+    if config.qk_norm:
+        layers["q_norm"] = norm_init((nl, h), dtype)
+        layers["k_norm"] = norm_init((nl, h), dtype)
+    if config.sandwich_norms:
+        layers["post_attn_norm"] = norm_init((nl, d), dtype)
+        layers["post_mlp_norm"] = norm_init((nl, d), dtype)
     embed = jax.random.normal(next(keys), (config.vocab_size, d), jnp.float32) / jnp.sqrt(d)
     params: Params = {
         "embed": embed.astype(dtype),
@@ -213,17 +226,63 @@ def rms_norm(x: jax.Array, scale: jax.Array, config: ModelConfig) -> jax.Array:
     return (y * s).astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """sin, cos of shape [B, L, 1, H/2] for positions [B, L] (float32).
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> jax.Array:
+    """Inverse frequencies [H/2] float32 of the full-attention (or, local=True, the
+    sliding-window) layers: theta^(-2i/H), then the config's scaling.
 
-    Angle of pair i at position p: p * theta^(-2i/H) (the "rotate half" layout used by
-    the Hugging Face Llama/Qwen/Gemma checkpoints).
+    "linear": inv_freq / factor. "llama3" (Llama 3.1): wavelengths 2 pi / inv_freq above
+    original_max_position_embeddings / low_freq_factor are divided by factor, those
+    below original / high_freq_factor kept, and the band between interpolated smoothly.
+    Computed in float32 in the same order as Hugging Face `modeling_rope_utils`.
     """
+    theta, scaling = config.rope_theta, config.rope_scaling
+    if local and config.local_rope_theta is not None:
+        theta, scaling = config.local_rope_theta, config.local_rope_scaling
     half = config.head_dim // 2
     exponent = jnp.arange(half, dtype=jnp.float32) * 2.0 / config.head_dim
-    inv_freq = 1.0 / (config.rope_theta**exponent)
+    inv_freq = 1.0 / (theta**exponent)
+    scaling = dict(scaling)
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = jnp.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(
+    positions: jax.Array, config: ModelConfig, local: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """sin, cos of shape [B, L, 1, H/2] for positions [B, L] (float32).
+
+    Angle of pair i at position p: p * inv_freq[i] (`rope_inv_freq`; theta^(-2i/H)
+    unscaled), in the "rotate half" layout of the Hugging Face Llama/Qwen/Gemma
+    checkpoints. local=True: the table of sliding-window layers (`local_rope_theta`).
+    """
+    inv_freq = rope_inv_freq(config, local)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, L, H/2]
     return jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+
+
+Rope = tuple[jax.Array, jax.Array]
+
+
+def rope_sets(positions: jax.Array, config: ModelConfig) -> tuple[Rope, ...]:
+    """The RoPE (sin, cos) tables every layer needs: ((global),) or, when sliding layers
+    have their own base (`config.local_rope`), ((global), (local)). Each [B, L, 1, H/2]."""
+    tables = (rope_tables(positions, config),)
+    if config.local_rope:
+        tables += (rope_tables(positions, config, local=True),)
+    return tables
 
 
 def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
@@ -234,12 +293,21 @@ def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attention(
+    q: jax.Array,
+    k_t: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> jax.Array:
     """Grouped-query softmax attention.
 
     q: [B, L, N, H]; k_t: [B, K, H, S] (keys transposed); v: [B, K, S, H];
     mask: [B, L, S] bool (True = may attend).
-    out[b, l, n] = sum_s softmax_s(q[b,l,n] . k_t[b,n // G,:,s] / sqrt(H))[s] v[b,n // G,s].
+    out[b, l, n] = sum_s softmax_s(z[b, l, n, s])[s] v[b, n // G, s] with scores
+    z = c tanh(q[b,l,n] . k_t[b,n // G,:,s] * scale / c) under a soft cap c (Gemma 2),
+    else q . k * scale; scale defaults to 1/sqrt(H).
     Scores and softmax are float32. Returns [B, L, N, H] in q's dtype.
     """
     b, length, n, h = q.shape
@@ -255,7 +323,9 @@ def attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array) -> ja
         # Upcast instead of preferred_element_type: XLA:CPU has no bf16 x bf16 -> f32 dot.
         qf, kf = qg.astype(jnp.float32), k_t.astype(jnp.float32)
         scores = jnp.einsum("blkgh,bkhs->bkgls", qf, kf)
-    scores = scores * (h**-0.5)
+    scores = scores * (h**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     if length == 1:
@@ -279,20 +349,45 @@ def _dense(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
     return y.reshape(*lead, *out_shape)
 
 
+def _lora(x: jax.Array, lp: Params, name: str, n_in: int, config: ModelConfig) -> jax.Array | None:
+    """The LoRA path (alpha / r) (x A) B of projection `name`, or None without adapters.
+
+    From "LoRA: Low-Rank Adaptation of Large Language Models" (Hu et al., 2021).
+    A = lp[name + "_lora_a"] [*in, r], B = lp[name + "_lora_b"] [r, *out].
+    """
+    a = lp.get(name + "_lora_a")
+    if a is None:
+        return None
+    scale = config.lora_alpha / config.lora_rank
+    low = _dense(_dense(x, a, n_in), lp[name + "_lora_b"], 1)
+    return low * jnp.asarray(scale, low.dtype)
+
+
+def _proj(x: jax.Array, lp: Params, name: str, n_in: int, config: ModelConfig) -> jax.Array:
+    """Projection x @ lp[name] (contracting the last n_in dims of x), plus its LoRA path."""
+    y = _dense(x, lp[name], n_in)
+    delta = _lora(x, lp, name, n_in, config)
+    return y if delta is None else y + delta
+
+
 def _mlp(x: jax.Array, lp: Params, config: ModelConfig) -> jax.Array:
     """Gated MLP: (act(x W_gate) * (x W_up)) W_down; x [B, L, D] -> [B, L, D]."""
     if "gate_up" in lp:  # fused by split_layers(fuse=True): [D, 2, F]
         gate_up = _dense(x, lp["gate_up"], 1)  # [B, L, 2, F]
         gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
+        for name in ("gate", "up"):
+            delta = _lora(x, lp, name, 1, config)
+            if delta is not None:
+                gate, up = (gate + delta, up) if name == "gate" else (gate, up + delta)
     else:
-        gate = _dense(x, lp["gate"], 1)
-        up = _dense(x, lp["up"], 1)
+        gate = _proj(x, lp, "gate", 1, config)
+        up = _proj(x, lp, "up", 1, config)
     if config.activation == "swiglu":
         act = jax.nn.silu(gate)
     else:  # geglu, with the tanh approximation used by Gemma
         act = jax.nn.gelu(gate, approximate=True)
     hidden = with_logical_constraint(act * up, ("batch", "length", "mlp"))
-    return _dense(hidden, lp["down"], 1)
+    return _proj(hidden, lp, "down", 1, config)
 
 
 def _block(
@@ -306,6 +401,12 @@ def _block(
     cache_index: jax.Array | None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). x: [B, L, D].
+
+    With `config.sandwich_norms` (Gemma 2/3) each branch's output is normed again before
+    it is added: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))). With
+    `config.qk_norm` (Qwen3, Gemma 3) queries and keys are RMS-normed per head before RoPE.
+    sin, cos: this layer's RoPE tables; mask [B, L, S]: this layer's (causal, possibly
+    sliding-window) mask.
 
     With kv = (k, v) cache buffers [B, K, S, H], this call's keys/values are written to
     slots [cache_index, cache_index + L) and attention reads the updated buffers (that
@@ -321,14 +422,22 @@ def _block(
         g = n // nkv
         q = qkv[:, :, :, :g].reshape(*qkv.shape[:2], n, hd)  # [B, L, N, H]
         k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]  # [B, L, K, H] each
+        # Adapters stay unfused (the fused kernel is the base weight only).
+        dq, dk, dv = (_lora(y, lp, name, 1, config) for name in ("q", "k", "v"))
+        q = q if dq is None else q + dq
+        k = k if dk is None else k + dk
+        v = v if dv is None else v + dv
     else:
-        q = _dense(y, lp["q"], 1)  # [B, L, N, H]
-        k = _dense(y, lp["k"], 1)  # [B, L, K, H]
-        v = _dense(y, lp["v"], 1)
+        q = _proj(y, lp, "q", 1, config)  # [B, L, N, H]
+        k = _proj(y, lp, "k", 1, config)  # [B, L, K, H]
+        v = _proj(y, lp, "v", 1, config)
         if config.qkv_bias:
             q = q + lp["q_bias"].astype(dt)
             k = k + lp["k_bias"].astype(dt)
             v = v + lp["v_bias"].astype(dt)
+    if config.qk_norm:
+        q = rms_norm(q, lp["q_norm"], config)
+        k = rms_norm(k, lp["k_norm"], config)
     q = apply_rope(q, sin, cos)
     k = apply_rope(k, sin, cos).transpose(0, 2, 3, 1)  # [B, K, H, L]
     v = v.swapaxes(1, 2)  # [B, K, L, H]
@@ -340,23 +449,57 @@ def _block(
         cv = lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, cache_index, 0))
         kv = (ck, cv)
         k_all, v_all = ck, cv
-    attn = attention(q, k_all, v_all, mask)
-    x = x + _dense(attn, lp["o"], 2)
-    x = with_logical_constraint(x, ("batch", "length", "embed"))
-    x = x + _mlp(rms_norm(x, lp["mlp_norm"], config), lp, config)
-    x = with_logical_constraint(x, ("batch", "length", "embed"))
+    scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+    attn = attention(q, k_all, v_all, mask, scale, config.attn_logit_softcap)
+    out = _proj(attn, lp, "o", 2, config)
+    if config.sandwich_norms:
+        out = rms_norm(out, lp["post_attn_norm"], config)
+    x = with_logical_constraint(x + out, ("batch", "length", "embed"))
+    out = _mlp(rms_norm(x, lp["mlp_norm"], config), lp, config)
+    if config.sandwich_norms:
+        out = rms_norm(out, lp["post_mlp_norm"], config)
+    x = with_logical_constraint(x + out, ("batch", "length", "embed"))
     return x, kv
 
 
 def _attention_mask(
-    attention_mask: jax.Array, length: int, cache_index: jax.Array | None
+    attention_mask: jax.Array,
+    length: int,
+    cache_index: jax.Array | None,
+    window: int | None = None,
 ) -> jax.Array:
-    """[B, L, S] bool: causal (key slot <= query slot) and key valid (attention_mask)."""
+    """[B, L, S] bool: causal (key slot <= query slot) and key valid (attention_mask);
+    with a window W also query slot - key slot < W (sliding-window layers)."""
     s = attention_mask.shape[1]
     offset = 0 if cache_index is None else cache_index
     q_slot = offset + jnp.arange(length)
-    causal = q_slot[:, None] >= jnp.arange(s)[None, :]  # [L, S]
-    return causal[None] & attention_mask.astype(bool)[:, None, :]
+    dist = q_slot[:, None] - jnp.arange(s)[None, :]  # [L, S]
+    visible = dist >= 0
+    if window is not None:
+        visible = visible & (dist < window)
+    return visible[None] & attention_mask.astype(bool)[:, None, :]
+
+
+def _layer_inputs(
+    config: ModelConfig,
+    attention_mask: jax.Array,
+    length: int,
+    cache_index: jax.Array | None,
+    ropes: tuple[Rope, ...],
+) -> tuple[list[tuple[jax.Array, jax.Array, jax.Array]], tuple[int, ...]]:
+    """The distinct (sin, cos, mask) the layers use, and each layer's index into them.
+
+    A sliding-window layer uses the local RoPE when there is one (`config.local_rope`),
+    else the global one; a full-attention layer the global RoPE and the causal mask.
+    """
+    sliding = config.sliding_layers
+    used = sorted(set(sliding))  # [False], [True] or [False, True]
+    inputs = []
+    for sl in used:
+        sin, cos = ropes[1] if sl and len(ropes) > 1 else ropes[0]
+        window = config.sliding_window if sl else None
+        inputs.append((sin, cos, _attention_mask(attention_mask, length, cache_index, window)))
+    return inputs, tuple(used.index(sl) for sl in sliding)
 
 
 def hidden_states(
@@ -367,16 +510,20 @@ def hidden_states(
     attention_mask: jax.Array,
     cache: KVCache | None = None,
     cache_index: jax.Array | int | None = None,
-    rope: tuple[jax.Array, jax.Array] | None = None,
+    rope: Rope | tuple[Rope, ...] | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """The transformer trunk: final-normed hidden states [B, L, D] and the updated cache.
 
     Same arguments as `forward`; the unembedding is left to the caller so it can be
     applied to a few positions only (sampler) or in chunks (`token_logps`).
     `rope` optionally gives the (sin, cos) of `positions` ([B, L, 1, H/2], as
-    `rope_tables` returns them), e.g. gathered from a table computed once outside a
-    decode loop: inside the loop XLA would otherwise recompute sin/cos for every element
-    of every layer's rotated q and k (it fuses them into their consumers).
+    `rope_tables` returns them), or when sliding layers have their own RoPE base
+    (`config.local_rope`) the pair of them, as `rope_sets` returns it; e.g. gathered from
+    a table computed once outside a decode loop: inside the loop XLA would otherwise
+    recompute sin/cos for every element of every layer's rotated q and k (it fuses them
+    into their consumers).
+    Layers differ only through their (mask, RoPE) kind (`config.layer_types`): under the
+    scan each layer selects its kind with a scanned flag; unrolled, statically.
     Without a cache the layers run under `lax.scan` over the stacked params (compact
     program, used for training); with a cache they are unrolled (decoding: no per-step
     slicing of weights or cache buffers); `params` may then come from `split_layers`.
@@ -384,12 +531,25 @@ def hidden_states(
     dt = config.jnp_dtype
     x = jnp.take(params["embed"], tokens, axis=0).astype(dt)  # [B, L, D]
     if config.embed_scale:
-        x = x * jnp.asarray(config.d_model**0.5, dt)
+        # sqrt(D) rounded to float32, then to the compute dtype, as Hugging Face does.
+        x = x * jnp.asarray(np.float32(config.d_model**0.5)).astype(dt)
     x = with_logical_constraint(x, ("batch", "length", "embed"))
-    sin, cos = rope_tables(positions, config) if rope is None else rope
+    if rope is None:
+        ropes = rope_sets(positions, config)
+    else:
+        ropes = (rope,) if isinstance(rope[0], jax.Array) else tuple(rope)
+        if len(ropes) != 1 + config.local_rope:
+            raise ValueError(
+                f"forward: rope: expected {1 + config.local_rope} (sin, cos) pairs "
+                f"(see rope_sets), got {len(ropes)}"
+            )
     if cache is not None and cache_index is None:
         raise ValueError("forward: cache_index is required when a cache is given")
-    mask = _attention_mask(attention_mask, tokens.shape[1], None if cache is None else cache_index)
+    if cache is not None:
+        cache_index = jnp.asarray(cache_index, jnp.int32)
+    inputs, kinds = _layer_inputs(
+        config, attention_mask, tokens.shape[1], None if cache is None else cache_index, ropes
+    )
 
     if cache is None:
         layers = params["layers"]
@@ -398,7 +558,13 @@ def hidden_states(
         if "qkv" in layers:
             raise ValueError("forward: fused params (split_layers(fuse=True)) need a cache")
 
-        def body(x, lp):
+        def body(x, xs):
+            lp, kind = xs
+            sin, cos, mask = inputs[0]
+            if len(inputs) > 1:  # per-layer kinds: select this layer's tables and mask
+                sin, cos, mask = (
+                    jnp.where(kind == 1, a1, a0) for a0, a1 in zip(*inputs, strict=True)
+                )
             x, _ = _block(x, lp, config, sin, cos, mask, None, None)
             return x, None
 
@@ -410,13 +576,13 @@ def hidden_states(
         # Unrolled: the rolled loop's backward pass spends a third of its time stacking
         # and slicing saved activations on CPU (benchmarks/grpo_step.py: update 0.51 ->
         # 0.39 s); the unrolled gradient is bit-identical.
-        x, _ = lax.scan(body, x, layers, unroll=True)
+        x, _ = lax.scan(body, x, (layers, jnp.asarray(kinds, jnp.int32)), unroll=True)
         new_cache = None
     else:
-        cache_index = jnp.asarray(cache_index, jnp.int32)
         layers = split_layers(params)["layers"]
         ks, vs = list(cache.k), list(cache.v)
         for i, lp in enumerate(layers):
+            sin, cos, mask = inputs[kinds[i]]
             x, (ks[i], vs[i]) = _block(x, lp, config, sin, cos, mask, (ks[i], vs[i]), cache_index)
         new_cache = KVCache(k=tuple(ks), v=tuple(vs))
     return rms_norm(x, params["final_norm"], config), new_cache
@@ -428,9 +594,14 @@ def unembed(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
     # XLA:CPU has no bf16 x bf16 -> f32 dot, and upcasting a [V, D] table costs memory.
     if config.tie_embeddings:
         w = params["embed"].astype(h.dtype)
-        return jnp.einsum("...d,vd->...v", h, w).astype(jnp.float32)
-    w = params["unembed"].astype(h.dtype)
-    return jnp.einsum("...d,dv->...v", h, w).astype(jnp.float32)
+        logits = jnp.einsum("...d,vd->...v", h, w).astype(jnp.float32)
+    else:
+        w = params["unembed"].astype(h.dtype)
+        logits = jnp.einsum("...d,dv->...v", h, w).astype(jnp.float32)
+    if config.final_logit_softcap is not None:  # Gemma 2: c tanh(logits / c)
+        c = config.final_logit_softcap
+        logits = jnp.tanh(logits / c) * c
+    return logits
 
 
 def forward(

@@ -1,5 +1,6 @@
-"""Verifiable rewards: a registry of reward functions by name and `score` into [N, K] columns."""
+"""Verifiable rewards: built-in and user reward functions by name, scored into [N, K] columns."""
 
+from jaxrl_llm.rewards.math_reward import final_answer, math_reward
 from jaxrl_llm.rewards.registry import (
     REWARDS,
     RewardError,
@@ -9,7 +10,20 @@ from jaxrl_llm.rewards.registry import (
     get_reward,
     length_reward,
     overlong_reward,
+)
+from jaxrl_llm.rewards.resolve import (
+    RewardSpecError,
+    resolve_reward,
+    reward_label,
+    reward_labels,
+)
+from jaxrl_llm.rewards.scoring import (
+    RewardFailures,
+    RewardPool,
+    RewardTimeout,
+    ScoreResult,
     score,
+    score_with_errors,
 )
 from jaxrl_llm.rewards.verifiers import (
     UnsafeExpression,
@@ -24,18 +38,29 @@ from jaxrl_llm.rewards.verifiers import (
 __all__ = [
     "REWARDS",
     "RewardError",
+    "RewardFailures",
     "RewardFn",
+    "RewardPool",
+    "RewardSpecError",
+    "RewardTimeout",
+    "ScoreResult",
     "UnsafeExpression",
     "answers_match",
     "correct_reward",
     "countdown_correct",
     "evaluate_countdown",
     "extract_answer",
+    "final_answer",
     "format_reward",
     "get_reward",
     "length_reward",
+    "math_reward",
     "overlong_reward",
     "parse_expression",
     "parse_number",
+    "resolve_reward",
+    "reward_label",
+    "reward_labels",
     "score",
+    "score_with_errors",
 ]

@@ -1,4 +1,4 @@
-"""Reward functions by name and `score`, which runs several of them into an [N, K] array.
+"""The built-in reward functions and `REWARDS`, the registry of their factories by name.
 
 A reward function scores one completion::
 
@@ -8,6 +8,8 @@ A reward function scores one completion::
 reference answer, ``metadata`` the prompt's task fields (``task``, ``numbers``, ``target``...).
 `REWARDS` maps a name to a *factory* that takes the reward's hyperparameters as keyword
 arguments and returns such a function; `get_reward` looks one up and builds it.
+`resolve.resolve_reward` also accepts user functions by import or file path, and
+`scoring.score` runs K rewards over N completions.
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
 from jaxrl_llm import advantages
 from jaxrl_llm.data.templates import ANSWER_CLOSE, ANSWER_OPEN
 from jaxrl_llm.rewards import verifiers
+from jaxrl_llm.rewards.math_reward import math_reward
 
 
 class RewardFn(Protocol):
@@ -141,6 +142,7 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {
     "correct": correct_reward,
     "format": format_reward,
     "length": length_reward,
+    "math": math_reward,
     "overlong": overlong_reward,
 }
 
@@ -157,76 +159,4 @@ def get_reward(name: str, **kwargs: Any) -> RewardFn:
 
 
 class RewardError(RuntimeError):
-    """A reward function raised; the message names the reward and the offending sample."""
-
-
-def _preview(text: str, limit: int = 200) -> str:
-    return repr(text if len(text) <= limit else text[:limit] + "...")
-
-
-def score(
-    reward_names: Sequence[str | RewardFn],
-    completions_text: Sequence[str],
-    completion_lengths: Sequence[int] | np.ndarray,
-    answers: Sequence[str],
-    metadata: Sequence[Mapping[str, Any]] | None = None,
-    *,
-    reward_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
-) -> np.ndarray:
-    """Scores N completions with K reward functions: one column per reward, for GDPO.
-
-    Args:
-      reward_names: K entries, each a name in `REWARDS` (built with ``reward_kwargs[name]``)
-        or an already built reward function.
-      completions_text: [N] decoded completions. For groups, flatten ``[P, G] -> [P*G]``
-        prompt-major and reshape the result back with ``.reshape(P, G, K)``.
-      completion_lengths: [N] completion lengths in tokens.
-      answers: [N] reference answers.
-      metadata: [N] per-sample task fields (``task``, ``numbers``, ``target``...), or None.
-      reward_kwargs: hyperparameters per reward name, e.g. ``{"overlong": {"max_len": 64}}``.
-
-    Returns:
-      float32 [N, K]. NaN is passed through untouched: a reward may return NaN to say "cannot
-      judge", and the trainer marks such rollouts invalid and counts them.
-
-    Raises:
-      RewardError: a reward function raised; the message has its name, the sample's index
-        and its (truncated) text, and the original exception is chained.
-    """
-    n = len(completions_text)
-    if not len(completion_lengths) == len(answers) == n:
-        raise ValueError(
-            f"score: {n} completions, {len(completion_lengths)} lengths, {len(answers)} answers"
-        )
-    if metadata is None:
-        metadata = [{}] * n
-    elif len(metadata) != n:
-        raise ValueError(f"score: {n} completions but {len(metadata)} metadata entries")
-    reward_kwargs = reward_kwargs or {}
-    unknown = set(reward_kwargs) - {r for r in reward_names if isinstance(r, str)}
-    if unknown:
-        raise ValueError(f"reward_kwargs for rewards not being scored: {sorted(unknown)}")
-    fns = [
-        (r, get_reward(r, **reward_kwargs.get(r, {})))
-        if isinstance(r, str)
-        else (getattr(r, "__name__", repr(r)), r)
-        for r in reward_names
-    ]
-    out = np.empty((n, len(fns)), np.float32)
-    for k, (name, fn) in enumerate(fns):
-        for i in range(n):
-            text = completions_text[i]
-            try:
-                value = fn(
-                    text,
-                    length=int(completion_lengths[i]),
-                    answer=answers[i],
-                    metadata=metadata[i],
-                )
-                out[i, k] = float(value)
-            except Exception as e:
-                raise RewardError(
-                    f"reward {name!r} raised {type(e).__name__}: {e} on sample {i} "
-                    f"(answer {answers[i]!r}): {_preview(text)}"
-                ) from e
-    return out
+    """A reward function failed under ``strict=True``; names the reward and the sample."""
