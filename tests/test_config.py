@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import trainer
+from jaxrl_llm import configs, train, trainer
 from jaxrl_llm.rewards import REWARDS
 from tests.conftest import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.py"))
+CONFIGS = configs.NAMES
 
 
 @pytest.fixture
@@ -58,6 +58,38 @@ def rejects(monkeypatch, tmp_path):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_shipped_configs_validate(name):
     config_lib.validate(load_config(name))
+
+
+def test_configs_are_the_package_configs():
+    """`configs/` in the checkout is the installed `jaxrl_llm.configs`, not a copy."""
+    assert CONFIGS and "quickstart" in CONFIGS
+    assert (ROOT / "configs").resolve() == configs.DIR
+    assert configs.path("grpo") == configs.DIR / "grpo.py"
+
+
+def test_cli_resolves_builtin_config_names():
+    quickstart = str(configs.path("quickstart"))
+    argv = ["train", "--config", "quickstart", "--config.rl.group_size=3", "--workdir", "w"]
+    assert train.resolve_config_argv(argv)[2] == quickstart
+    assert (
+        train.resolve_config_argv(["train", "--config=quickstart"])[1] == f"--config={quickstart}"
+    )
+    for path in ("configs/quickstart.py", str(ROOT / "configs" / "grpo.py")):
+        assert train.resolve_config_argv(["train", "--config", path])[2] == path
+
+
+def test_cli_rejects_unknown_config_name(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrl_llm.train", "--config", "quickstrt"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert "unknown built-in config 'quickstrt'" in line
+    assert ", ".join(CONFIGS) in line
 
 
 def test_base_config_is_valid(base):

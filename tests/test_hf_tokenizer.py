@@ -451,3 +451,12 @@ def test_jinja_sandbox():
         render_chat_template("{% set ns = namespace(_x=1) %}", msgs)
     with pytest.raises(ValueError, match=r"chat template: .*'append' of 'list' object is unsafe"):
         render_chat_template("{{ messages.append(1) }}", msgs)  # immutable sandbox
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_decode_drops_ids_past_the_vocabulary(ours, style):
+    # Checkpoints pad the embedding beyond the tokenizer (Qwen2.5: 151936 rows for ~151665
+    # ids): a sampled padding id has no text and must not crash decoding.
+    tok = ours[style]
+    ids = tok.encode("hello world")
+    assert tok.decode([*ids, tok.vocab_size, tok.vocab_size + 3]) == tok.decode(ids)

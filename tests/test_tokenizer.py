@@ -95,3 +95,10 @@ def test_training_script_reproduces_the_shipped_model(tmp_path):
     assert out.read_bytes() == DEFAULT_MODEL_PATH.read_bytes(), (
         "jaxrl_llm/assets/tokenizer.model is stale: rerun scripts/train_tokenizer.py"
     )
+
+
+def test_decode_drops_ids_past_the_vocabulary():
+    # A model's embedding may be larger than its tokenizer; such ids have no text.
+    tok = Tokenizer.load()
+    ids = tok.encode("12+3")
+    assert tok.decode([*ids[:2], tok.vocab_size, tok.vocab_size + 7, *ids[2:]]) == "12+3"

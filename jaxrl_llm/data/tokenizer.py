@@ -98,10 +98,13 @@ class Tokenizer:
         """Text of ``ids``; padding and BOS are dropped, and with ``stop_at_eos`` so is
         everything from the first EOS on (what a sampler writes after EOS is not output)."""
         out = []
+        vocab = self.vocab_size
         for i in (int(x) for x in ids):
             if i == self.eos_id and stop_at_eos:
                 break
-            if i not in (self.pad_id, self.bos_id, self.eos_id):
+            # Ids past the vocabulary (a model's embedding padded beyond its tokenizer)
+            # have no text: dropped.
+            if i not in (self.pad_id, self.bos_id, self.eos_id) and 0 <= i < vocab:
                 out.append(i)
         return self._sp.DecodeIds(out)
 
@@ -581,10 +584,13 @@ class HFTokenizer:
             start += 1
         drop = {self._pad_id, self._bos_id, *self._eos_ids}
         out = []
+        vocab = self.vocab_size
         for i in ids[start:]:
             if stop_at_eos and i in self._eos_ids:
                 break
-            if i not in drop:
+            # Ids past the vocabulary (models pad their embedding beyond the tokenizer,
+            # e.g. Qwen2.5: 151936 rows for ~151665 ids) have no text: dropped.
+            if i not in drop and 0 <= i < vocab:
                 out.append(i)
         return self._backend.decode(out)
 
