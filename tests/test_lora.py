@@ -158,3 +158,23 @@ def test_lora_run_trains_resumes_and_exports(data_dir, tmp_path):
     want, _ = forward(adapted, model.replace(lora_rank=4, lora_alpha=8.0), tokens, pos, mask)
     got, _ = forward(loaded, loaded_cfg, tokens, pos, mask)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_base_with_lora_trains(data_dir, tmp_path):
+    # bf16 parameters and compute for the base; the adapters (the trained weights) and their
+    # AdamW moments stay float32.
+    c = shrink(load_config("quickstart"), data_dir, steps=2)
+    c.model.update(param_dtype="bfloat16", dtype="bfloat16")
+    c.lora.update(rank=4, alpha=8.0)
+    c.rl.recompute_old_logps = True  # sampler and update numerics differ in bf16
+    c.loss.entropy_coef = 0.01  # a gradient even when every group's reward ties
+    run = trainer.setup(c)
+    st = run.stages
+    trained, frozen = st.split(st.init_params())
+    assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(trained)} == {jnp.dtype(jnp.float32)}
+    run.reward_fns.close()
+    trainer.train_and_evaluate(c, str(tmp_path / "run"))
+    records = [r for r in metrics.read_metrics(tmp_path / "run") if "train/loss" in r]
+    assert len(records) == 2 and all(np.isfinite(r["train/loss"]) for r in records)
+    assert all(r["train/grad_norm"] > 0 for r in records)
