@@ -15,8 +15,9 @@ variant from XLA's `memory_analysis()` of the compiled executables:
 
 Each line: state bytes (trained params + optimizer state), frozen bytes, and for the
 update and the sampler the argument, output, temporary and aliased (donated) bytes and
-their peak = argument + output + temp - alias. Compiling the 24-layer step takes about a
-minute per variant on a 2-core CPU; `--layers` shrinks it.
+their peak = argument + output + temp - alias. `--remat full` (config `train.remat`) keeps
+only each layer's input for the backward pass. Compiling the 24-layer step takes a few
+minutes per variant on a 2-core CPU; `--layers` shrinks it.
 """
 
 from __future__ import annotations
@@ -131,12 +132,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=0, help="rows per micro-batch; 0 = all")
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument(
+        "--remat", default="none", help="train.remat: none, full or a jax.checkpoint policy name"
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     args = p.parse_args(argv)
     for name in args.variants.split(","):
         if name not in VARIANTS:
             p.error(f"--variants: unknown {name!r}; known: {', '.join(VARIANTS)}")
-        options = dict(lora_rank=args.lora_rank, lora_alpha=2.0 * args.lora_rank)
+        options = dict(lora_rank=args.lora_rank, lora_alpha=2.0 * args.lora_rank, remat=args.remat)
         options.update(VARIANTS[name])
         model = ModelConfig.qwen2_5_0_5b(n_layers=args.layers, vocab_size=args.vocab, **options)
         out = measure(model, args)
@@ -151,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
                 "prompt_len": args.prompt_len,
                 "new_tokens": args.new_tokens,
                 "lora_rank": model.lora_rank,
+                "remat": model.remat,
                 **{k: v for k, v in out.items() if not isinstance(v, dict)},
                 **{f"update_{k}_bytes": v for k, v in out["update"].items()},
                 **{f"sample_{k}_bytes": v for k, v in out["sample"].items()},

@@ -144,3 +144,22 @@ def test_scaling_runs_one_and_two_device_meshes(capsys):
     assert two["collective_bytes_per_step"]["update"] > 0
     assert two["collective_static_loops"] == 0
     assert one["step_s"] > 0 and one["rows"] == two["rows"] == 8
+
+
+def test_memory_benchmark_lora_state_is_a_fraction_of_full(capsys):
+    from benchmarks import memory
+
+    memory.main(
+        "--layers 1 --vocab 256 --prompts 1 --group 2 --prompt-len 4 --new-tokens 4 "
+        "--lora-rank 2 --variants full_bf16,lora_bf16".split()
+    )
+    full, lora = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines())
+    assert (full["variant"], lora["variant"]) == ("full_bf16", "lora_bf16")
+    # Full fine-tuning: bf16 params + two bf16 AdamW moments = 3 x 2 bytes per parameter.
+    assert full["state_bytes"] >= 6 * full["params"]
+    # LoRA: only the float32 adapters and their moments are state; the base is frozen bf16.
+    assert lora["state_bytes"] < 12 * lora["trained_params"] + 64
+    assert lora["trained_params"] < full["params"] / 10
+    assert lora["frozen_bytes"] == 2 * full["params"]
+    for rec in (full, lora):
+        assert rec["update_peak_bytes"] > 0 and rec["sample_peak_bytes"] > 0

@@ -531,7 +531,7 @@ def load_pretrained(
     # Per leaf: its sources in our layout (views of the memory map), one per stacked layer.
     sources: dict[tuple[str, ...], list[np.ndarray]] = {}
     for t in tensors:
-        leaf = abstract[t.path[0]] if len(t.path) == 1 else abstract[t.path[0]][t.path[1]]
+        leaf = _path_get(abstract, t.path)
         shape = leaf.shape[1:] if t.layer is not None else leaf.shape
         hf = files.array(t.hf_name)
         if hf.shape != _hf_shape(shape, t.n_in):
@@ -560,10 +560,14 @@ def load_pretrained(
 
         def read(index):
             index = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
-            if stacked:
-                parts = [s[index[1:]] for s in src[index[0]]]
-                return np.stack(parts).astype(target, order="C")
-            return src[0][index].astype(target, order="C")
+            if not stacked:
+                return src[0][index].astype(target, order="C")
+            layers = src[index[0]]
+            first = layers[0][index[1:]]
+            out = np.empty((len(layers), *first.shape), target)
+            for i, s in enumerate(layers):  # one copy: cast while filling
+                out[i] = s[index[1:]]
+            return out
 
         if shardings is None:
             return jax.device_put(read(()))
@@ -600,7 +604,8 @@ def save_pretrained(
 
     Writes config.json (`config_to_hf`, updated with `extra_config`, e.g. token ids) and
     model.safetensors, or when the tensors exceed `max_shard_bytes` the shards
-    model-0000i-of-0000n.safetensors and model.safetensors.index.json. Tensors keep the
+    model-0000i-of-0000n.safetensors and model.safetensors.index.json (model
+    safetensors files already in `path` are replaced). Tensors keep the
     params' dtype and are fetched from the devices one at a time. LoRA adapters must be
     merged first (`lora.merge`). With params spread over several processes, every
     process must call this (the tensors are gathered); only process 0 writes.
