@@ -17,6 +17,7 @@ reward is good at fixing: it shifts the mass to the answers the verifier accepts
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import jax
@@ -28,6 +29,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxrl_llm import config as config_lib
+from jaxrl_llm import configs
 from jaxrl_llm.checkpoint import save_params_safetensors
 from jaxrl_llm.data import Tokenizer, format_answer, make_pipeline, tasks
 from jaxrl_llm.models import init_params
@@ -156,4 +158,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, argv=configs.resolve_config_argv(sys.argv))

@@ -15,7 +15,6 @@ current step with a checkpoint and exit status 0 (rerun the command to resume).
 from __future__ import annotations
 
 import json
-import pathlib
 import sys
 
 from absl import app, flags, logging
@@ -62,39 +61,12 @@ def main(argv):
         print(json.dumps({k: v for k, v in final.items() if k.startswith(keep)}, sort_keys=True))
 
 
-def _config_file(value: str) -> str:
-    """A `--config` value with a built-in name replaced by its file; a path (it contains a
-    "/", ends in ".py" or exists) is returned unchanged. ml_collections' `path:arg`
-    suffix is kept."""
-    name, colon, arg = value.partition(":")
-    if "/" in name or name.endswith(".py") or pathlib.Path(name).exists():
-        return value
-    return f"{configs.path(name)}{colon}{arg}"
-
-
-def resolve_config_argv(argv: list[str]) -> list[str]:
-    """`argv` with built-in config names after `--config` (`--config grpo`,
-    `--config=grpo`) replaced by their files, before absl parses the flags (the config
-    flag loads its file while parsing). Raises ValueError for an unknown name."""
-    out, i = list(argv), 1
-    while i < len(out) and out[i] != "--":
-        flag, eq, value = out[i].partition("=")
-        if flag in ("--config", "-config"):
-            if eq:
-                out[i] = f"{flag}={_config_file(value)}"
-            elif i + 1 < len(out):
-                i += 1
-                out[i] = _config_file(out[i])
-        i += 1
-    return out
-
-
 def run() -> None:
     """`app.run(main)`, with an unknown built-in config name or override key
     (`--config.rl.grop_size=4`, raised by ml_collections while absl parses the flags)
     reported as one line and exit status 2."""
     try:
-        argv = resolve_config_argv(sys.argv)
+        argv = configs.resolve_config_argv(sys.argv)
     except ValueError as e:
         print(f"error: --config: {e} (or give a config file's path)", file=sys.stderr)
         sys.exit(2)

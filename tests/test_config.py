@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import configs, train, trainer
+from jaxrl_llm import configs, trainer
 from jaxrl_llm.rewards import REWARDS
 from tests.conftest import load_config
 
@@ -70,12 +70,12 @@ def test_configs_are_the_package_configs():
 def test_cli_resolves_builtin_config_names():
     quickstart = str(configs.path("quickstart"))
     argv = ["train", "--config", "quickstart", "--config.rl.group_size=3", "--workdir", "w"]
-    assert train.resolve_config_argv(argv)[2] == quickstart
+    assert configs.resolve_config_argv(argv)[2] == quickstart
     assert (
-        train.resolve_config_argv(["train", "--config=quickstart"])[1] == f"--config={quickstart}"
+        configs.resolve_config_argv(["train", "--config=quickstart"])[1] == f"--config={quickstart}"
     )
     for path in ("configs/quickstart.py", str(ROOT / "configs" / "grpo.py")):
-        assert train.resolve_config_argv(["train", "--config", path])[2] == path
+        assert configs.resolve_config_argv(["train", "--config", path])[2] == path
 
 
 def test_cli_rejects_unknown_config_name(tmp_path):

@@ -22,3 +22,30 @@ def path(name: str) -> pathlib.Path:
     if name not in NAMES:
         raise ValueError(f"unknown built-in config {name!r}; built-in: {', '.join(NAMES)}")
     return DIR / f"{name}.py"
+
+
+def _config_file(value: str) -> str:
+    """A `--config` value with a built-in name replaced by its file; a path (it contains a
+    "/", ends in ".py" or exists) is returned unchanged. ml_collections' `path:arg`
+    suffix is kept."""
+    name, colon, arg = value.partition(":")
+    if "/" in name or name.endswith(".py") or pathlib.Path(name).exists():
+        return value
+    return f"{path(name)}{colon}{arg}"
+
+
+def resolve_config_argv(argv: list[str]) -> list[str]:
+    """`argv` with built-in config names after `--config` (`--config grpo`,
+    `--config=grpo`) replaced by their files, before absl parses the flags (the config
+    flag loads its file while parsing). Raises ValueError for an unknown name."""
+    out, i = list(argv), 1
+    while i < len(out) and out[i] != "--":
+        flag, eq, value = out[i].partition("=")
+        if flag in ("--config", "-config"):
+            if eq:
+                out[i] = f"{flag}={_config_file(value)}"
+            elif i + 1 < len(out):
+                i += 1
+                out[i] = _config_file(out[i])
+        i += 1
+    return out
