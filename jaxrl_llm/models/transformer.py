@@ -573,10 +573,13 @@ def hidden_states(
         elif config.remat != "none":
             body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, config.remat))
 
-        # Unrolled: the rolled loop's backward pass spends a third of its time stacking
-        # and slicing saved activations on CPU (benchmarks/grpo_step.py: update 0.51 ->
-        # 0.39 s); the unrolled gradient is bit-identical.
-        x, _ = lax.scan(body, x, (layers, jnp.asarray(kinds, jnp.int32)), unroll=True)
+        # Unrolled without remat: the rolled loop's backward pass spends a third of its
+        # time stacking and slicing saved activations on CPU (benchmarks/grpo_step.py:
+        # update 0.51 -> 0.39 s); the unrolled gradient is bit-identical. With remat the
+        # loop stays rolled: unrolled, XLA schedules the recomputation early and keeps every
+        # layer's activations alive anyway (benchmarks/memory.py: no saving at all).
+        unroll = config.remat == "none"
+        x, _ = lax.scan(body, x, (layers, jnp.asarray(kinds, jnp.int32)), unroll=unroll)
         new_cache = None
     else:
         layers = split_layers(params)["layers"]
