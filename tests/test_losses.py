@@ -154,6 +154,215 @@ def test_entropy_hand_values(variant):
     np.testing.assert_allclose(h2, [-(0.1 * np.log(0.1) + 0.9 * np.log(0.9))], rtol=1e-5)
 
 
+# Decoupled PPO: OLD is the proximal policy; BEHAV sampled the tokens, prox - behav = D_B.
+D_B = np.array([[0.5, -0.2, 0.0], [1.0, 0.1, -0.3]], np.float32)
+BEHAV = OLD - D_B
+# w = e^D_B = [[1.648721, .818731, (masked)], [2.718282, 1.105171, .740818]]
+W = np.exp(D_B) * MASK
+
+
+def _decoupled(variant, **kw):
+    return variant(L.decoupled_policy_loss_with_aux, **kw)(
+        jnp.asarray(LOGP), jnp.asarray(OLD), jnp.asarray(BEHAV), jnp.asarray(ADV), jnp.asarray(MASK)
+    )
+
+
+def test_decoupled_loss_hand_values_with_truncation(variant):
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    loss, aux = _decoupled(variant, is_cap=2.0, **kw)
+    # PPO against prox is [[-1.28, -.904837, 0], [1.5, .4, .552585]] (first test), times w:
+    # -1.28 * 1.648721 = -2.110363; -e^-.1 * e^-.2 = -e^-.3 = -.740818;
+    # 1.5 * min(e^1, 2) = 3.0; .4 * 1.105171 = .442068; .5 e^.1 * e^-.3 = .5 e^-.2 = .409365
+    want = [[-2.110363, -0.740818, 0.0], [3.0, 0.442068, 0.409365]]
+    np.testing.assert_allclose(loss, want, atol=1e-5)
+    np.testing.assert_allclose(aux["is_weight"], np.minimum(W, 2.0), rtol=1e-6)
+    np.testing.assert_array_equal(aux["is_truncated"], [[0, 0, 0], [1, 0, 0]])
+    np.testing.assert_array_equal(aux["dual_clipped"], [[0, 0, 0], [1, 0, 0]])
+    np.testing.assert_allclose(aux["ratio"], np.exp(DELTA) * MASK, rtol=1e-6)
+    # AReaL's cap drops the token instead: w = 0 where w > 2
+    loss_m, aux_m = _decoupled(variant, is_cap=2.0, is_cap_mode="mask", **kw)
+    np.testing.assert_allclose(
+        loss_m, [[-2.110363, -0.740818, 0.0], [0.0, 0.442068, 0.409365]], atol=1e-5
+    )
+    np.testing.assert_array_equal(aux_m["is_truncated"], aux["is_truncated"])
+    # no cap: w = e^1 on row 1 token 0 -> 1.5 e = 4.077423
+    loss_n, aux_n = _decoupled(variant, **kw)
+    np.testing.assert_allclose(loss_n[1, 0], 4.077423, rtol=1e-5)
+    np.testing.assert_array_equal(aux_n["is_truncated"], np.zeros((2, 3)))
+
+
+@pytest.mark.parametrize("ratio", L.RATIO_LEVELS)
+@pytest.mark.parametrize("cap", [None, 1.5])
+def test_decoupled_reduces_to_ppo_when_behaviour_is_proximal(ratio, cap):
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, ratio=ratio)
+    args = jnp.asarray(LOGP), jnp.asarray(OLD)
+    rest = jnp.asarray(ADV), jnp.asarray(MASK)
+    ppo, ppo_aux = L.policy_loss_with_aux(*args, *rest, **kw)
+    dec, dec_aux = L.decoupled_policy_loss_with_aux(
+        *args, jnp.asarray(OLD), *rest, is_cap=cap, **kw
+    )
+    np.testing.assert_array_equal(dec, ppo)  # exactly: w = exp(0) = 1
+    for key, value in ppo_aux.items():
+        np.testing.assert_array_equal(dec_aux[key], value, err_msg=key)
+    np.testing.assert_array_equal(dec_aux["is_weight"], MASK.astype(np.float32))
+    np.testing.assert_array_equal(dec_aux["is_truncated"], np.zeros((2, 3)))
+
+
+@pytest.mark.parametrize("ratio", L.RATIO_LEVELS)
+def test_decoupled_gradient_is_weight_times_ppo_gradient(ratio):
+    kw = dict(clip_high=0.28, ratio=ratio)
+    rest = jnp.asarray(ADV), jnp.asarray(MASK)
+
+    def ppo(logp):
+        return jnp.sum(L.policy_loss(logp, jnp.asarray(OLD), *rest, **kw))
+
+    def dec(logp, prox):
+        x = L.decoupled_policy_loss(logp, prox, jnp.asarray(BEHAV), *rest, is_cap=2.0, **kw)
+        return jnp.sum(x)
+
+    g_ppo = jax.grad(ppo)(jnp.asarray(LOGP))
+    g_dec, g_prox_w = jax.grad(dec, argnums=(0, 1))(jnp.asarray(LOGP), jnp.asarray(OLD))
+    np.testing.assert_allclose(g_dec, np.minimum(W, 2.0) * g_ppo, rtol=1e-5, atol=1e-7)
+    if ratio == "token":
+        # by hand (see test_token_ratio_gradient_is_zero_when_clipped): row 0 token 1:
+        # w (-A r) = -e^-.2 e^-.1 = -.740818; row 1: 2 * .5 e^1.5 = 4.481689, 0 (clipped),
+        # .740818 * .5 e^.1 = .409365
+        want = [[0.0, -0.740818, 0.0], [4.481689, 0.0, 0.409365]]
+        np.testing.assert_allclose(g_dec, want, atol=1e-5)
+    assert np.all(np.isfinite(g_prox_w))
+
+
+def test_decoupled_extra_weights_and_sequence_mask(variant):
+    keep = L.sequence_is_mask(
+        jnp.asarray(OLD), jnp.asarray(BEHAV), jnp.asarray(MASK), threshold=1.2
+    )
+    loss, _ = _decoupled(variant, is_cap=2.0)
+    loss_k, _ = variant(L.decoupled_policy_loss_with_aux, is_cap=2.0)(
+        jnp.asarray(LOGP),
+        jnp.asarray(OLD),
+        jnp.asarray(BEHAV),
+        jnp.asarray(ADV),
+        jnp.asarray(MASK),
+        weights=keep,
+    )
+    np.testing.assert_allclose(loss_k, np.asarray(loss) * [[1, 1, 0], [0, 0, 0]])
+
+
+def test_truncated_is_weights_hand_values(variant):
+    args = jnp.asarray(OLD), jnp.asarray(BEHAV), jnp.asarray(MASK)
+    w, trunc = variant(L.truncated_is_weights, cap=2.0)(*args)
+    # [[1.648721, .818731, 0], [min(2.718282, 2), 1.105171, .740818]]
+    np.testing.assert_allclose(w, [[1.648721, 0.818731, 0], [2.0, 1.105171, 0.740818]], atol=1e-6)
+    np.testing.assert_array_equal(trunc, [[0, 0, 0], [1, 0, 0]])
+    w, trunc = variant(L.truncated_is_weights, cap=1.1)(*args)
+    # 1.648721 > 1.1, 2.718282 > 1.1, 1.105171 > 1.1 -> capped; token-level MIS drops them
+    np.testing.assert_allclose(w, [[1.1, 0.818731, 0], [1.1, 1.1, 0.740818]], atol=1e-6)
+    np.testing.assert_array_equal(trunc, [[1, 0, 0], [1, 1, 0]])
+    w, _ = variant(L.truncated_is_weights, cap=1.1, mode="mask")(*args)
+    np.testing.assert_allclose(w, [[0, 0.818731, 0], [0, 0, 0.740818]], atol=1e-6)
+    w, trunc = variant(L.truncated_is_weights, cap=None)(*args)
+    np.testing.assert_allclose(w, W, rtol=1e-6)
+    np.testing.assert_array_equal(trunc, np.zeros((2, 3)))
+
+
+def test_sequence_is_mask_geometric_mean(variant):
+    args = jnp.asarray(OLD), jnp.asarray(BEHAV), jnp.asarray(MASK)
+    # geometric-mean ratios: row 0 exp((.5 - .2) / 2) = e^.15 = 1.161834 (the masked 0.0 is
+    # not counted), row 1 exp((1 + .1 - .3) / 3) = e^.266667 = 1.305605
+    keep = variant(L.sequence_is_mask, threshold=1.2)(*args)
+    np.testing.assert_array_equal(keep, [[1, 1, 0], [0, 0, 0]])
+    keep = variant(L.sequence_is_mask, threshold=1.31)(*args)
+    np.testing.assert_array_equal(keep, MASK.astype(np.float32))
+    # the lower bound 1/C = .833333 with the roles reversed: row 0 1/1.161834 = .860708 is
+    # kept, row 1 1/1.305605 = .765928 is dropped
+    keep = variant(L.sequence_is_mask, threshold=1.2)(args[1], args[0], args[2])
+    np.testing.assert_array_equal(keep, [[1, 1, 0], [0, 0, 0]])
+    # a sequence with no valid token is dropped; used as the aggregation mask it leaves
+    # the denominator
+    empty = jnp.asarray(MASK).at[0].set(False)
+    keep = variant(L.sequence_is_mask, threshold=1.31)(args[0], args[1], empty)
+    np.testing.assert_array_equal(keep, [[0, 0, 0], [1, 1, 1]])
+    _, denom = L.aggregate(jnp.ones((2, 3)), jnp.asarray(MASK) * keep, "token-mean")
+    np.testing.assert_allclose(denom, 3.0)
+
+
+def test_staleness_and_truncated_fraction(variant):
+    versions = jnp.array([[3, 5, 0], [4, 4, 2]], jnp.int32)
+    trunc = jnp.array([[0, 0, 1], [1, 0, 0]], jnp.float32)  # the masked 1 does not count
+    out = variant(L.staleness)(versions, 5, jnp.asarray(MASK), is_truncated=trunc)
+    # lags on valid tokens: 2, 0 | 1, 1, 3 (the masked version 0, lag 5, is ignored)
+    np.testing.assert_allclose(out["mean"], 7 / 5, rtol=1e-6)
+    np.testing.assert_allclose(out["max"], 3.0)
+    np.testing.assert_allclose(out["truncated_frac"], 1 / 5, rtol=1e-6)
+    none = L.staleness(versions, jnp.asarray(5), jnp.zeros((2, 3), bool))
+    assert set(none) == {"mean", "max"}
+    np.testing.assert_allclose([none["mean"], none["max"]], [0.0, 0.0])
+    # the aux of the decoupled loss plugs straight in
+    _, aux = _decoupled(variant, is_cap=2.0)
+    out = L.staleness(versions, 5, jnp.asarray(MASK), is_truncated=aux["is_truncated"])
+    np.testing.assert_allclose(out["truncated_frac"], 1 / 5, rtol=1e-6)
+
+
+_Z = jnp.zeros((2, 3))
+_M = jnp.ones((2, 3))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (
+            lambda: L.decoupled_policy_loss(_Z, _Z, jnp.zeros((2, 4)), jnp.zeros(2), _M),
+            ValueError,
+            "behav_logp:",
+        ),
+        (
+            lambda: L.decoupled_policy_loss(_Z, jnp.zeros((3, 3)), _Z, jnp.zeros(2), _M),
+            ValueError,
+            "prox_logp:",
+        ),
+        (
+            lambda: L.decoupled_policy_loss(_Z, _Z, _Z, jnp.zeros(2), _M, is_cap=0.0),
+            ValueError,
+            "is_cap:",
+        ),
+        (
+            lambda: L.decoupled_policy_loss(_Z, _Z, _Z, jnp.zeros(2), _M, is_cap_mode="clip"),
+            ValueError,
+            "is_cap_mode: unknown value 'clip'; allowed: truncate, mask",
+        ),
+        (
+            lambda: L.decoupled_policy_loss(_Z, _Z, _Z, jnp.zeros(2), _M, weights=jnp.ones(2)),
+            ValueError,
+            "weights:",
+        ),
+        (
+            lambda: L.decoupled_policy_loss(_Z, _Z, _Z, jnp.zeros(2), _M, dual_clip=0.5),
+            ValueError,
+            "dual_clip",
+        ),
+        (lambda: L.truncated_is_weights(_Z, _Z, _M, cap=-1.0), ValueError, "cap:"),
+        (lambda: L.truncated_is_weights(_Z, _Z, _M, mode="x"), ValueError, "mode: unknown"),
+        (
+            lambda: L.truncated_is_weights(_Z, jnp.zeros((2, 3), jnp.int32), _M),
+            TypeError,
+            "logp_behav:",
+        ),
+        (lambda: L.sequence_is_mask(_Z, _Z, _M, threshold=1.0), ValueError, "threshold:"),
+        (lambda: L.sequence_is_mask(_Z, _Z, jnp.ones((2, 2))), ValueError, "mask:"),
+        (lambda: L.staleness(_Z, 3, _M), TypeError, "versions:"),
+        (lambda: L.staleness(jnp.zeros((2, 3), jnp.int32), 3.5, _M), TypeError, "current_version:"),
+        (
+            lambda: L.staleness(jnp.zeros((2, 3), jnp.int32), 3, _M, is_truncated=jnp.ones(3)),
+            ValueError,
+            "is_truncated:",
+        ),
+    ],
+)
+def test_off_policy_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
