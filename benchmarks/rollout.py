@@ -1,0 +1,156 @@
+"""Rollout throughput of the static sampler vs the continuous-batching engine when
+completion lengths vary: useful (non-padding) tokens/s, slot utilization, wall time.
+
+    python -m benchmarks.rollout            # defaults: about a minute on 2 CPU cores
+
+prints one JSON line per (length case, engine). Cases: "heavy_tail", lengths drawn from
+a log-normal (deterministic quantiles, shuffled) whose sigma is solved so that
+max/mean = --max-over-mean (8), and "equal", every row --mean-len tokens.
+
+How the lengths are enforced (no EOS ids, so the random model cannot end a row early):
+  * continuous: `max_lengths` = the drawn lengths; a slot is refilled when its row
+    reaches its length.
+  * static: what a forced EOS at each row's drawn length would give the static
+    sampler, whose loop runs until the batch's longest row ends: each batch is
+    generated with max_new_tokens = its longest drawn length (one compile per distinct
+    value, outside the timing); tokens past a row's own length are padding.
+    "static" decodes all N rows as one batch (the trainer's way); "static_chunked"
+    decodes N / S batches of S rows one after another, the same KV-cache footprint as
+    the engine's S slots.
+useful_tokens = sum of drawn lengths, the same for every engine; tokens_per_s =
+useful_tokens / median wall time; slot_utilization = useful_tokens / (decoded rows x
+steps).
+The continuous engine serves requests first come, first served, not knowing their
+lengths, so its steps are at least (admission step + length) of the longest request:
+with a heavy tail and few requests per slot, that tail bounds its utilization.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks._common import add_model_args, emit, model_from_args, time_call
+from jaxrl_llm.engine import make_continuous_generate_fn
+from jaxrl_llm.models import init_params
+from jaxrl_llm.sampler import SamplingConfig, make_generate_fn
+
+
+def heavy_tail_lengths(n: int, mean: float, max_over_mean: float, seed: int = 0) -> np.ndarray:
+    """n lengths >= 1: log-normal quantiles exp(sigma z_i), z_i = Phi^-1((i + 1/2) / n),
+    with sigma solved (bisection) so that max/mean = max_over_mean, scaled to `mean`,
+    rounded and shuffled. Returns [n] int32."""
+    z = np.array([statistics.NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
+
+    def ratio(sigma):
+        x = np.exp(sigma * z)
+        return x.max() / x.mean()
+
+    lo, hi = 0.0, 5.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ratio(mid) < max_over_mean else (lo, mid)
+    x = np.exp(lo * z)
+    lengths = np.maximum(1, np.round(x / x.mean() * mean)).astype(np.int32)
+    return np.random.default_rng(seed).permutation(lengths)
+
+
+def run_case(args, config, params, name: str, lengths: np.ndarray) -> list[dict]:
+    n, s, lp = args.rollouts, args.slots, args.prompt_len
+    t_max = int(lengths.max())
+    kp, key = jax.random.split(jax.random.key(1))
+    prompts = jax.random.randint(kp, (n, lp), 1, config.vocab_size)
+    mask = jnp.ones((n, lp), bool)
+    useful = int(lengths.sum())
+    base = {"benchmark": "rollout", "case": name, "rollouts": n, "useful_tokens": useful}
+    base |= {"mean_len": float(lengths.mean()), "max_len": t_max, "prompt_len": lp}
+    records = []
+
+    def static(batch: int, label: str) -> dict:
+        chunks = [slice(i, i + batch) for i in range(0, n, batch)]
+        fns = {}
+        t0 = time.perf_counter()
+        for c in chunks:
+            t = int(lengths[c].max())
+            if t not in fns:
+                sampling = SamplingConfig(max_new_tokens=t, temperature=args.temperature)
+                fn = jax.jit(make_generate_fn(config, sampling))
+                fns[t] = fn.lower(params, prompts[c], mask[c], key).compile()
+        compile_s = time.perf_counter() - t0
+
+        def call():
+            return [fns[int(lengths[c].max())](params, prompts[c], mask[c], key) for c in chunks]
+
+        stats = time_call(call, repeats=args.repeats)
+        steps = sum(int(lengths[c].max()) for c in chunks)
+        return {
+            **base,
+            "engine": label,
+            "slots": batch,
+            "tokens_per_s": useful / stats["median_s"],
+            "slot_utilization": useful / (batch * steps),
+            "decode_steps": steps,
+            "wall_s": stats["median_s"],
+            "compile_s": compile_s,
+        }
+
+    records.append(static(n, "static"))
+    records.append(static(s, "static_chunked"))
+
+    sampling = SamplingConfig(max_new_tokens=t_max, temperature=args.temperature)
+    fn = make_continuous_generate_fn(config, sampling, slots=s, prompt_len=lp, return_stats=True)
+    budgets = jnp.asarray(lengths)
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(params, prompts, mask, key, budgets).compile()
+    compile_s = time.perf_counter() - t0
+    timed = time_call(lambda: compiled(params, prompts, mask, key, budgets), repeats=args.repeats)
+    rollout, stats = compiled(params, prompts, mask, key, budgets)
+    if not np.array_equal(np.asarray(rollout.lengths), lengths):
+        raise AssertionError("continuous engine: lengths differ from the drawn ones")
+    records.append(
+        {
+            **base,
+            "engine": "continuous",
+            "slots": s,
+            "tokens_per_s": useful / timed["median_s"],
+            "slot_utilization": float(stats.slot_utilization),
+            "decode_steps": int(stats.decode_steps),
+            "wall_s": timed["median_s"],
+            "compile_s": compile_s,
+        }
+    )
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(p)
+    p.set_defaults(d_model=64, ffn=256, layers=2)
+    p.add_argument("--rollouts", type=int, default=256, help="N requests")
+    p.add_argument("--slots", type=int, default=32, help="S decode slots (continuous)")
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--mean-len", type=int, default=16)
+    p.add_argument("--max-over-mean", type=float, default=8.0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    if args.rollouts % args.slots:
+        raise ValueError(f"--slots {args.slots} must divide --rollouts {args.rollouts}")
+    config = model_from_args(args, dtype="float32", param_dtype="float32")
+    params = init_params(config, jax.random.key(0))
+    cases = {
+        "heavy_tail": heavy_tail_lengths(args.rollouts, args.mean_len, args.max_over_mean),
+        "equal": np.full((args.rollouts,), args.mean_len, np.int32),
+    }
+    for name, lengths in cases.items():
+        for record in run_case(args, config, params, name, lengths):
+            emit(record)
+
+
+if __name__ == "__main__":
+    main()

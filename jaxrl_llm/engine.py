@@ -1,0 +1,286 @@
+"""Continuous-batching sampler: S decode slots serve a queue of R requests inside one
+compiled `lax.while_loop`; a slot whose completion ends is refilled with the next queued
+prompt (a one-row prefill into its cache rows), so short completions stop costing decode
+steps while the longest one finishes.
+
+`make_continuous_generate_fn` is a drop-in for `sampler.make_generate_fn` (same
+`SamplingConfig`, same `Rollout`, rows in request order) when completion lengths vary.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_llm.models import (
+    KVCache,
+    ModelConfig,
+    Params,
+    hidden_states,
+    init_cache,
+    positions_from_mask,
+    rope_sets,
+    split_layers,
+    unembed,
+)
+from jaxrl_llm.sampler import Rollout, SamplingConfig, sample_logits
+
+
+@flax.struct.dataclass
+class EngineStats:
+    """Work counters of one continuous-batching run (all scalars)."""
+
+    decode_steps: jax.Array  # [] int32, loop iterations: one sampled token per busy slot
+    useful_tokens: jax.Array  # [] int32, completion tokens returned (= sum of lengths)
+    prefills: jax.Array  # [] int32, requests admitted into a slot (R when all are served)
+    slot_utilization: jax.Array  # [] float32, useful_tokens / (decode_steps * slots)
+    slots: int = flax.struct.field(pytree_node=False)  # S, decode slots used
+
+
+def request_key(key: jax.Array, request: jax.Array, t: jax.Array) -> jax.Array:
+    """The key of completion token t of request `request`: fold_in(fold_in(key, request), t).
+
+    Depending on (request, t) only, not on the slot or the loop step, makes a rollout
+    independent of the number of slots and of the order in which requests are served.
+    """
+    return jax.random.fold_in(jax.random.fold_in(key, request), t)
+
+
+def _continuous_generate(
+    params: Params,
+    prompts: jax.Array,
+    prompt_mask: jax.Array,
+    key: jax.Array,
+    max_lengths: jax.Array | None,
+    *,
+    config: ModelConfig,
+    slots: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+) -> tuple[Rollout, EngineStats]:
+    """The traced program behind `make_continuous_generate_fn` (see there for the spec)."""
+    r, lp = prompts.shape
+    n, t_max = slots, max_new_tokens
+    size = lp + t_max  # cache slots of one row: [0, Lp) prompt, Lp + t completion token t
+    prompts = prompts.astype(jnp.int32)
+    prompt_mask = prompt_mask.astype(bool)
+    prompt_lengths = jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32)  # [R]
+    positions = positions_from_mask(prompt_mask)  # [R, Lp]
+    if max_lengths is None:
+        budgets = jnp.full((r,), t_max, jnp.int32)
+    else:
+        budgets = jnp.clip(jnp.asarray(max_lengths, jnp.int32), 1, t_max)  # [R]
+    eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
+    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    params = split_layers(params, fuse=True)  # once, outside the loops
+    rope_tabs = rope_sets(jnp.arange(lp + t_max)[None], config)  # each [1, P, 1, H/2]
+    future = jnp.ones((size - lp,), bool)  # completion slots: hidden by causality until written
+
+    def prefill(rows: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Logits of completion token 0 [M, V] and the prompt cache (Lp slots) of rows [M]."""
+        cache = init_cache(config, rows.shape[0], lp)
+        h, cache = hidden_states(
+            params, config, prompts[rows], positions[rows], prompt_mask[rows], cache, 0
+        )
+        return unembed(params, config, h[:, -1]), cache
+
+    def sample_row(logits, request, t):
+        tok, logp, slogp = sample(logits[None], request_key(key, request, t))
+        return tok[0], logp[0], slogp[0]
+
+    def decode_row(ks, vs, valid, tok, t, plen):
+        """One slot: feeds completion token t (cache slot Lp + t, position plen + t).
+
+        ks/vs: per-layer buffers of this slot without the batch axis; valid [C]."""
+        cache = KVCache(k=tuple(a[None] for a in ks), v=tuple(a[None] for a in vs))
+        pos = plen + t
+        ropes = tuple(
+            (lax.dynamic_slice_in_dim(sn, pos, 1, 1), lax.dynamic_slice_in_dim(cs, pos, 1, 1))
+            for sn, cs in rope_tabs
+        )  # each [1, 1, 1, H/2]
+        h, cache = hidden_states(
+            params, config, tok[None, None], pos[None, None], valid[None], cache, lp + t, ropes
+        )
+        logits = unembed(params, config, h[0, 0])
+        return logits, tuple(a[0] for a in cache.k), tuple(a[0] for a in cache.v)
+
+    # Slot s serves request req[s] (r = idle) and has sampled t[s] of its tokens; logits[s]
+    # are the logits of its next token. The first S requests are prefilled as one batch.
+    first = jnp.arange(n, dtype=jnp.int32)
+    logits, cache = prefill(first)
+    grow = size - lp
+    ks = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, grow))) for a in cache.k)  # [S,K,H,C]
+    vs = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, grow), (0, 0))) for a in cache.v)  # [S,K,C,H]
+    valid = jnp.concatenate([prompt_mask[:n], jnp.ones((n, grow), bool)], axis=1)  # [S, C]
+    out = (
+        jnp.full((r, t_max), pad_id, jnp.int32),  # tokens
+        jnp.zeros((r, t_max), jnp.float32),  # logps
+        jnp.zeros((r, t_max), jnp.float32),  # sampling_logps
+        jnp.zeros((r, t_max), bool),  # completion_mask
+        jnp.zeros((r,), bool),  # ended with EOS
+    )
+    slot_state = (first, jnp.zeros((n,), jnp.int32), logits, valid, ks, vs)
+
+    def refill(free, nxt, slot_state):
+        """Admits queued requests into the free slots, one single-row prefill each."""
+
+        def cond(c):
+            free, nxt, _ = c
+            return jnp.any(free) & (nxt < r)
+
+        def body(c):
+            free, nxt, (req, t, logits, valid, ks, vs) = c
+            s = jnp.argmax(free).astype(jnp.int32)  # first free slot
+            row_logits, pc = prefill(nxt[None])
+            ks = tuple(lax.dynamic_update_slice(a, p, (s, 0, 0, 0)) for a, p in zip(ks, pc.k))
+            vs = tuple(lax.dynamic_update_slice(a, p, (s, 0, 0, 0)) for a, p in zip(vs, pc.v))
+            # The new occupant's prompt mask replaces the old one; the old completion
+            # entries stay hidden by causality until this request overwrites them.
+            row_valid = jnp.concatenate(
+                [lax.dynamic_index_in_dim(prompt_mask, nxt, 0), future[None]], 1
+            )
+            valid = lax.dynamic_update_slice(valid, row_valid, (s, 0))
+            logits = lax.dynamic_update_slice(logits, row_logits, (s, 0))
+            req, t = req.at[s].set(nxt), t.at[s].set(0)
+            return free.at[s].set(False), nxt + 1, (req, t, logits, valid, ks, vs)
+
+        free, nxt, (req, *rest) = lax.while_loop(cond, body, (free, nxt, slot_state))
+        return nxt, (jnp.where(free, r, req), *rest)  # no request left: the slot goes idle
+
+    def cond(state):
+        return jnp.any(state[2][0] < r)
+
+    def body(state):
+        step, nxt, slot_state, out = state
+        req, t, logits, valid, ks, vs = slot_state
+        active = req < r
+        tok, logp, slogp = jax.vmap(sample_row)(logits, req, t)  # [S] each
+        tok = jnp.where(active, tok, pad_id)
+        tokens, logps, slogps, mask, ended_eos = out
+        # Idle slots have req = r: out of bounds, their writes are dropped.
+        tokens = tokens.at[req, t].set(tok, mode="drop")
+        logps = logps.at[req, t].set(logp, mode="drop")
+        slogps = slogps.at[req, t].set(slogp, mode="drop")
+        mask = mask.at[req, t].set(True, mode="drop")
+        is_eos = jnp.zeros((n,), bool) if eos is None else jnp.any(tok[:, None] == eos, axis=-1)
+        ended_eos = ended_eos.at[req].set(is_eos, mode="drop")
+        budget = budgets[jnp.minimum(req, r - 1)]
+        end = active & (is_eos | (t + 1 >= budget))
+        logits, ks, vs = jax.vmap(decode_row)(
+            ks, vs, valid, tok, t, prompt_lengths[jnp.minimum(req, r - 1)]
+        )
+        t = jnp.where(active, t + 1, t)
+        nxt, slot_state = refill(end, nxt, (req, t, logits, valid, ks, vs))
+        return step + 1, nxt, slot_state, (tokens, logps, slogps, mask, ended_eos)
+
+    init = (jnp.asarray(0, jnp.int32), jnp.asarray(n, jnp.int32), slot_state, out)
+    steps, admitted, _, out = lax.while_loop(cond, body, init)
+    tokens, logps, slogps, mask, ended_eos = out
+    lengths = jnp.sum(mask, axis=-1, dtype=jnp.int32)
+    useful = jnp.sum(lengths)
+    rollout = Rollout(
+        tokens=tokens,
+        logps=logps,
+        sampling_logps=slogps,
+        completion_mask=mask,
+        lengths=lengths,
+        truncated=~ended_eos,
+        prompt_lengths=prompt_lengths,
+    )
+    stats = EngineStats(
+        decode_steps=steps,
+        useful_tokens=useful,
+        prefills=admitted,
+        slot_utilization=useful / jnp.maximum(steps * n, 1).astype(jnp.float32),
+        slots=n,
+    )
+    return rollout, stats
+
+
+def make_continuous_generate_fn(
+    config: ModelConfig,
+    sampling: SamplingConfig,
+    *,
+    slots: int,
+    prompt_len: int,
+    return_stats: bool = False,
+) -> Callable[..., Rollout | tuple[Rollout, EngineStats]]:
+    """The pure (un-jitted) continuous-batching generation function.
+
+    Returns f(params, prompts [R, Lp], prompt_mask [R, Lp], key, max_lengths=None) ->
+    Rollout (R rows, in request order), or (Rollout, EngineStats) with return_stats.
+
+    min(slots, R) decode slots serve the R requests (prompt rows) first come, first
+    served. One `lax.while_loop` iteration samples one token for every busy slot, feeds
+    it through the model (per-slot cache index and RoPE position: the step is the
+    one-row decode vmapped over slots), and then refills each slot whose completion
+    ended (EOS, or its budget) with the next queued request: a one-row prefill of the
+    prompt written into that slot's cache rows with `dynamic_update_slice`, and that
+    row's attention mask replaced by the new prompt's. A row's cache layout is the
+    static sampler's ([0, Lp) prompt, Lp + t completion token t), so a request sees the
+    same computation wherever and whenever it runs. No host round trip per token.
+
+    Token t of request i is drawn with key fold_in(fold_in(key, i), t) (`request_key`),
+    so for one key the rollouts do not depend on `slots`. The static sampler derives its
+    keys per step for the whole batch, so sampled rollouts differ from its; greedy
+    (temperature 0) rollouts are the same. Log-probs follow `Rollout`'s contract.
+
+    Args:
+      config: static model config.
+      sampling: `SamplingConfig`; `cache_size`, `kv_buckets` and `row_groups` do not apply
+        (each slot has Lp + max_new_tokens cache slots).
+      slots: S >= 1, rows decoded at once (the KV cache holds S rows).
+      prompt_len: Lp, the prompts' (left-padded) width.
+      return_stats: also return `EngineStats`.
+    The returned function's `max_lengths` [R] int (optional) caps request i at
+    min(max_lengths[i], max_new_tokens) tokens (at least 1); a row that reaches its cap
+    without EOS is `truncated`, as one that reaches max_new_tokens.
+    Raises:
+      ValueError: slots < 1, a prompt width other than prompt_len, or bad sampling ids.
+    """
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"continuous generate: slots must be an int >= 1, got {slots!r}")
+    sampling.check(config)
+
+    def generate_fn(params, prompts, prompt_mask, key, max_lengths=None):
+        if prompts.ndim != 2 or prompts.shape != prompt_mask.shape:
+            raise ValueError(
+                f"continuous generate: prompts {prompts.shape} and prompt_mask "
+                f"{prompt_mask.shape} must both be [R, Lp]"
+            )
+        r, lp = prompts.shape
+        if lp != prompt_len:
+            raise ValueError(f"continuous generate: prompt width {lp} != prompt_len {prompt_len}")
+        if r == 0:
+            raise ValueError("continuous generate: no requests (R == 0)")
+        if max_lengths is not None and jnp.shape(max_lengths) != (r,):
+            raise ValueError(
+                f"continuous generate: max_lengths must be [R={r}], got {jnp.shape(max_lengths)}"
+            )
+        rollout, stats = _continuous_generate(
+            params,
+            prompts,
+            prompt_mask,
+            key,
+            max_lengths,
+            config=config,
+            slots=min(slots, r),
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=float(sampling.temperature),
+            top_k=int(sampling.top_k),
+            top_p=float(sampling.top_p),
+            eos_ids=sampling.eos_ids,
+            pad_id=int(sampling.pad_id),
+        )
+        return (rollout, stats) if return_stats else rollout
+
+    return generate_fn
