@@ -96,7 +96,17 @@ def base_config() -> ml_collections.ConfigDict:
         )
     )
     c.sampling = ml_collections.ConfigDict(
-        dict(max_new_tokens=10, temperature=1.0, top_k=0, top_p=1.0)
+        dict(
+            max_new_tokens=10,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            # "static": decode the batch until its longest row ends; "continuous": `slots`
+            # decode slots refilled from the queue of rollouts as rows end (jaxrl_llm.engine;
+            # 0 = all rows). Continuous runs on one row shard (data x fsdp = 1) for now.
+            engine="static",
+            slots=0,
+        )
     )
     c.rl = ml_collections.ConfigDict(
         dict(
@@ -408,6 +418,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
         _fail("sampling.max_new_tokens", f"expected >= 1, got {s.max_new_tokens}")
     if s.temperature < 0:
         _fail("sampling.temperature", f"expected >= 0, got {s.temperature}")
+    if s.engine not in ("static", "continuous"):
+        _fail("sampling.engine", f"unknown engine {s.engine!r}; known: static, continuous")
+    if s.slots < 0:
+        _fail("sampling.slots", f"expected >= 0, got {s.slots}")
     if not 0 < s.top_p <= 1:
         _fail("sampling.top_p", f"expected a value in (0, 1], got {s.top_p}")
     if not 0 <= s.top_k <= model.vocab_size:
@@ -456,6 +470,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
         rows=rl.prompts_per_step * rl.group_size,
         num_devices=jax.device_count(),
     )
+    if s.engine == "continuous" and sizes["data"] * sizes["fsdp"] > 1:
+        _fail(
+            "sampling.engine",
+            "'continuous' is not sharded over rows yet; use data x fsdp = 1 or 'static'",
+        )
     for i, rule in enumerate(c.mesh.rules):
         if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
             _fail(f"mesh.rules[{i}]", f"expected (logical name, mesh axes), got {rule!r}")

@@ -32,6 +32,7 @@ from jax.experimental import multihost_utils
 
 from jaxrl_llm import rewards as rewards_lib
 from jaxrl_llm import sharding
+from jaxrl_llm.engine import make_continuous_generate_fn
 from jaxrl_llm.models import ModelConfig, init_params, lora, param_logical_axes
 from jaxrl_llm.sampler import Rollout, SamplingConfig, make_generate_fn
 from jaxrl_llm.train_step import (
@@ -288,6 +289,8 @@ def build_stages(
     load_params: Callable[[Any], Any] | None = None,
     seed: int = 0,
     lora_targets: Sequence[str] = (),
+    engine: str = "static",
+    slots: int = 0,
 ) -> Stages:
     """Jits every stage of the run over `mesh` (see the module docstring).
 
@@ -299,6 +302,10 @@ def build_stages(
     trains the adapters only (`TrainState.params` holds them, the base is its `frozen`
     argument), the samplers decode with the adapters merged into the weights, and
     `ref_pass` scores with the base alone.
+
+    `engine="continuous"` makes the training sampler (`generate`) the continuous-batching
+    engine (`jaxrl_llm.engine`) with `slots` decode slots (0 = all rows at once); greedy
+    and evaluation sampling stay static.
     """
     rules = tuple((name, axes) for name, axes in rules)
     rows = sharding.batch_sharding(mesh, rules, 1)  # P(batch axes): any rank >= 1
@@ -359,14 +366,19 @@ def build_stages(
     def jit(fn, **kw):
         return jax.jit(_traced_under_rules(fn, mesh, rules), **kw)
 
-    def sampler(s: SamplingConfig):
-        fn = make_generate_fn(model, s)
+    def sampler(s: SamplingConfig, engine: str = "static"):
+        static = make_generate_fn(model, s) if engine == "static" else None
 
         def generate(params, prompts, mask, key_data):  # raw key data: replicable as an array
             # Adapters are folded into the weights once per call: decoding then runs one
             # (fused) matmul per projection, as without LoRA.
             params = lora.merge(params, model)
-            return fn(params, prompts, mask, jax.random.wrap_key_data(key_data))
+            key = jax.random.wrap_key_data(key_data)
+            if static is not None:
+                return static(params, prompts, mask, key)
+            n, lp = prompts.shape
+            fn = make_continuous_generate_fn(model, s, slots=slots or n, prompt_len=lp)
+            return fn(params, prompts, mask, key)
 
         return jit(generate, in_shardings=(param_sh, rows, rows, rep), out_shardings=rows)
 
@@ -408,7 +420,7 @@ def build_stages(
         state_shardings=state_sh,
         init_params=make_params,
         init_state=init_state,
-        generate=sampler(sampling),
+        generate=sampler(sampling, engine),
         greedy=sampler(greedy),
         eval_generate=sampler(eval_sampling),
         to_batch=jit(rollouts_to_batch, in_shardings=(rows, rows, rows), out_shardings=rows),

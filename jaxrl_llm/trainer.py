@@ -176,6 +176,8 @@ def setup(config: ml_collections.ConfigDict) -> Run:
         load_params=load,
         seed=c.seed,
         lora_targets=tuple(c.lora.targets) if c.lora.rank else (),
+        engine=c.sampling.engine,
+        slots=c.sampling.slots,
     )
     return Run(
         config=c,
