@@ -83,7 +83,11 @@ def execute(name: str, cwd: pathlib.Path, kernel_dir: pathlib.Path, data_dir: st
     km = KernelManager(
         kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernel_dir)])
     )
-    NotebookClient(nb, km=km, timeout=300, resources={"metadata": {"path": str(cwd)}}).execute()
+    try:
+        NotebookClient(nb, km=km, timeout=300, resources={"metadata": {"path": str(cwd)}}).execute()
+    finally:  # nbclient leaves a kernel it did not create running (about 1 GB each)
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
     text = []
     for cell in nb.cells:
         for out in cell.get("outputs", []):
