@@ -155,14 +155,7 @@ class Checkpointer:
         Raises:
           FileNotFoundError: there is no finalized checkpoint (or not that step).
         """
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise FileNotFoundError(f"no finalized checkpoint in {self.directory}")
-        elif step not in self.all_steps():
-            raise FileNotFoundError(
-                f"step {step} is not in {self.directory}; available: {list(self.all_steps())}"
-            )
+        step = self._existing_step(step)
         abstract = jax.tree.map(_abstract_leaf, target_state)
         out = self._manager.restore(
             int(step),
@@ -181,6 +174,15 @@ class Checkpointer:
         state as a dict of its fields): for tools that only need some of it, such as an
         export of the params, and cannot rebuild the run's full state structure.
         """
+        step = self._existing_step(step)
+        out = self._manager.restore(
+            int(step),
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
+        )
+        return dict(out.state), dict(out.meta or {})
+
+    def _existing_step(self, step: int | None) -> int:
+        """`step`, or the latest one when None; FileNotFoundError if there is none."""
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -189,11 +191,7 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"step {step} is not in {self.directory}; available: {list(self.all_steps())}"
             )
-        out = self._manager.restore(
-            int(step),
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
-        )
-        return dict(out.state), dict(out.meta or {})
+        return step
 
     def latest_step(self) -> int | None:
         """The newest finalized step, or None; half-written (tmp) steps are never counted."""

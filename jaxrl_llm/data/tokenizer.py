@@ -39,7 +39,35 @@ DEFAULT_MODEL_PATH = pathlib.Path(__file__).resolve().parents[1] / "assets" / "t
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
-class Tokenizer:
+class _Prompts:
+    """Prompt rendering shared by both tokenizer classes (they define `chat_template`,
+    `encode` and the special ids it uses)."""
+
+    templates = TEMPLATES
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs
+    ) -> str:
+        """``messages`` rendered with the tokenizer's chat template, as transformers'
+        ``apply_chat_template(messages, tokenize=False, ...)`` renders them (see
+        `jaxrl_llm.data.templates.render_chat_template`); ``kwargs`` reach the template.
+        A tokenizer without a chat template (the shipped one) raises ValueError."""
+        return _apply_chat_template(self, messages, add_generation_prompt, kwargs)
+
+    def encode_prompt(
+        self,
+        prompt: str,
+        template: str = "plain",
+        *,
+        add_bos: bool = True,
+        system_prompt: str = "",
+        chat_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Ids of ``prompt`` rendered with a named template (see `encode_prompt`)."""
+        return encode_prompt(self, prompt, template, add_bos, system_prompt, chat_kwargs)
+
+
+class Tokenizer(_Prompts):
     """Encode/decode text with a SentencePiece model; exposes the special ids as ints."""
 
     def __init__(self, processor: spm.SentencePieceProcessor, path: str | None = None):
@@ -110,24 +138,6 @@ class Tokenizer:
 
     def id_to_piece(self, i: int) -> str:
         return self._sp.IdToPiece(int(i))
-
-    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, **kwargs):
-        """Not available: the shipped model has no chat template (raises ValueError)."""
-        return _apply_chat_template(self, messages, add_generation_prompt, kwargs)
-
-    def encode_prompt(
-        self,
-        prompt: str,
-        template: str = "plain",
-        *,
-        add_bos: bool = True,
-        system_prompt: str = "",
-        chat_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        """Ids of ``prompt`` rendered with a named template (see `encode_prompt`), BOS first."""
-        return encode_prompt(self, prompt, template, add_bos, system_prompt, chat_kwargs)
-
-    templates = TEMPLATES
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,7 +391,7 @@ class _SentencePieceBackend:
         return "".join(out)
 
 
-class HFTokenizer:
+class HFTokenizer(_Prompts):
     """A Hugging Face tokenizer directory (or a bare SentencePiece ``.model``) behind the same
     interface as the shipped `Tokenizer`.
 
@@ -596,28 +606,6 @@ class HFTokenizer:
 
     def id_to_piece(self, i: int) -> str | None:
         return self._backend.id_to_token(int(i))
-
-    def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs
-    ) -> str:
-        """``messages`` rendered with the tokenizer's chat template, as transformers'
-        ``apply_chat_template(messages, tokenize=False, ...)`` renders them (see
-        `jaxrl_llm.data.templates.render_chat_template`); ``kwargs`` reach the template."""
-        return _apply_chat_template(self, messages, add_generation_prompt, kwargs)
-
-    def encode_prompt(
-        self,
-        prompt: str,
-        template: str = "plain",
-        *,
-        add_bos: bool = True,
-        system_prompt: str = "",
-        chat_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        """Ids of ``prompt`` rendered with a named template (see `encode_prompt`)."""
-        return encode_prompt(self, prompt, template, add_bos, system_prompt, chat_kwargs)
-
-    templates = TEMPLATES
 
     def __repr__(self) -> str:
         return (
