@@ -3,9 +3,9 @@
 A tiny Qwen2-style checkpoint directory (random weights made with transformers, a BPE
 tokenizer.json with a ChatML template and two EOS ids) trains for a few GRPO steps with
 `python -m jaxrl_llm.train --config configs/quickstart.py --config.model.pretrained=DIR`
-on a JSONL file with its own field names, scored by a user reward loaded from a .py file
-that raises on some completions; then `python -m jaxrl_llm.export` writes a checkpoint
-transformers loads with the trained weights.
+on a JSONL file with its own field names, scored by a user reward given by import path
+(`my_rewards:score`, a module on PYTHONPATH) that raises on some completions; then
+`python -m jaxrl_llm.export` writes a checkpoint transformers loads with the trained weights.
 """
 
 import json
@@ -34,8 +34,10 @@ def score(completion, *, length, answer, metadata):
 '''
 
 
-def _run(args, cwd=ROOT, **kw):
+def _run(args, cwd=ROOT, pythonpath="", **kw):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
         [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, **kw
@@ -91,7 +93,8 @@ def test_tiny_qwen_trains_from_the_cli_with_user_data_and_rewards_and_exports(qw
         "data.prompt_len": 40,
         "data.eval_prompts": 4,
         "data.train_split": "train",
-        "rewards.names": f"('correct', '{reward_file}:score')",
+        # The user's reward by import path: a module on PYTHONPATH, attribute `score`.
+        "rewards.names": "('correct', 'my_rewards:score')",
         "rl.prompts_per_step": 4,
         "rl.group_size": 4,
         "sampling.max_new_tokens": 8,
@@ -111,7 +114,8 @@ def test_tiny_qwen_trains_from_the_cli_with_user_data_and_rewards_and_exports(qw
             "--workdir",
             str(workdir),
             *(f"--config.{k}={v}" for k, v in overrides.items()),
-        ]
+        ],
+        pythonpath=str(tmp_path),
     )
     records = {r["step"]: r for r in metrics.by_step(metrics.read_metrics(workdir))}
     steps = [s for s in sorted(records) if "train/loss" in records[s]]
