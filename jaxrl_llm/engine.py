@@ -42,6 +42,37 @@ class EngineStats:
     slots: int = flax.struct.field(pytree_node=False)  # S, decode slots used
 
 
+@flax.struct.dataclass
+class Prefix:
+    """Completion tokens already sampled for each request (partial rollouts, APRIL).
+
+    A request with `lengths[i] = k > 0` continues at completion token k: its prompt and
+    its k tokens are prefilled under the current parameters, and the k log-probs it came
+    with (those of the policies that sampled them) are returned unchanged. A request with
+    `done[i]` is complete already and is not decoded again.
+    """
+
+    tokens: jax.Array  # int32[R, T] completion tokens so far (pad after lengths)
+    logps: jax.Array  # float32[R, T] their log-probs (Rollout.logps contract)
+    sampling_logps: jax.Array  # float32[R, T]
+    lengths: jax.Array  # int32[R] k, tokens so far
+    done: jax.Array  # bool[R] already complete (EOS or budget)
+    eos: jax.Array  # bool[R] ended with EOS
+
+    @classmethod
+    def empty(cls, requests: int, max_new_tokens: int, pad_id: int = 0) -> Prefix:
+        """No tokens for any of `requests` requests (a fresh batch)."""
+        r, t = requests, max_new_tokens
+        return cls(
+            tokens=jnp.full((r, t), pad_id, jnp.int32),
+            logps=jnp.zeros((r, t), jnp.float32),
+            sampling_logps=jnp.zeros((r, t), jnp.float32),
+            lengths=jnp.zeros((r,), jnp.int32),
+            done=jnp.zeros((r,), bool),
+            eos=jnp.zeros((r,), bool),
+        )
+
+
 def request_key(key: jax.Array, request: jax.Array, t: jax.Array) -> jax.Array:
     """The key of completion token t of request `request`: fold_in(fold_in(key, request), t).
 
@@ -57,6 +88,7 @@ def _continuous_generate(
     prompt_mask: jax.Array,
     key: jax.Array,
     max_lengths: jax.Array | None,
+    prefix: Prefix | None = None,
     *,
     config: ModelConfig,
     slots: int,
@@ -66,8 +98,11 @@ def _continuous_generate(
     top_p: float,
     eos_ids: tuple[int, ...],
     pad_id: int,
-) -> tuple[Rollout, EngineStats]:
-    """The traced program behind `make_continuous_generate_fn` (see there for the spec)."""
+    group_size: int = 1,
+    stop_groups: int = 0,
+) -> tuple[Rollout, EngineStats, jax.Array]:
+    """The traced program behind `make_continuous_generate_fn` and
+    `make_partial_generate_fn` (see there for the spec); also returns done bool[R]."""
     r, lp = prompts.shape
     n, t_max = slots, max_new_tokens
     size = lp + t_max  # cache slots of one row: [0, Lp) prompt, Lp + t completion token t
@@ -86,12 +121,21 @@ def _continuous_generate(
     future = jnp.ones((size - lp,), bool)  # completion slots: hidden by causality until written
 
     def prefill(rows: jax.Array) -> tuple[jax.Array, KVCache]:
-        """Logits of completion token 0 [M, V] and the prompt cache (Lp slots) of rows [M]."""
-        cache = init_cache(config, rows.shape[0], lp)
-        h, cache = hidden_states(
-            params, config, prompts[rows], positions[rows], prompt_mask[rows], cache, 0
-        )
-        return unembed(params, config, h[:, -1]), cache
+        """Logits of the next token [M, V] and the cache of rows [M]: the prompt's Lp slots,
+        or with a prefix all Lp + T (prompt and the completion tokens so far)."""
+        if prefix is None:
+            cache = init_cache(config, rows.shape[0], lp)
+            h, cache = hidden_states(
+                params, config, prompts[rows], positions[rows], prompt_mask[rows], cache, 0
+            )
+            return unembed(params, config, h[:, -1]), cache
+        k = prefix.lengths[rows]
+        tokens = jnp.concatenate([prompts[rows], prefix.tokens[rows]], axis=1)
+        mask = jnp.concatenate([prompt_mask[rows], jnp.arange(t_max)[None] < k[:, None]], 1)
+        cache = init_cache(config, rows.shape[0], size)
+        h, cache = hidden_states(params, config, tokens, positions_from_mask(mask), mask, cache, 0)
+        last = jnp.take_along_axis(h, (lp + k - 1)[:, None, None], axis=1)[:, 0]  # [M, D]
+        return unembed(params, config, last), cache
 
     def sample_row(logits, request, t):
         tok, logp, slogp = sample(logits[None], request_key(key, request, t))
@@ -113,54 +157,79 @@ def _continuous_generate(
         logits = unembed(params, config, h[0, 0])
         return logits, tuple(a[0] for a in cache.k), tuple(a[0] for a in cache.v)
 
+    # Requests are served in index order, skipping those already done; queue[j] is the
+    # j-th to serve and `todo` how many there are.
+    done0 = jnp.zeros((r,), bool) if prefix is None else prefix.done.astype(bool)
+    queue = jnp.argsort(done0, stable=True).astype(jnp.int32)  # not-done first, in order
+    todo = jnp.sum(~done0, dtype=jnp.int32)
+    k0 = jnp.zeros((r,), jnp.int32) if prefix is None else prefix.lengths.astype(jnp.int32)
     # Slot s serves request req[s] (r = idle) and has sampled t[s] of its tokens; logits[s]
     # are the logits of its next token. The first S requests are prefilled as one batch.
-    first = jnp.arange(n, dtype=jnp.int32)
-    logits, cache = prefill(first)
-    grow = size - lp
+    slot_ids = jnp.arange(n, dtype=jnp.int32)
+    first = jnp.where(slot_ids < todo, queue[:n], r)
+    logits, cache = prefill(jnp.minimum(first, r - 1))
+    grow = size - cache.k[0].shape[-1]
     ks = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, grow))) for a in cache.k)  # [S,K,H,C]
     vs = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, grow), (0, 0))) for a in cache.v)  # [S,K,C,H]
-    valid = jnp.concatenate([prompt_mask[:n], jnp.ones((n, grow), bool)], axis=1)  # [S, C]
-    out = (
-        jnp.full((r, t_max), pad_id, jnp.int32),  # tokens
-        jnp.zeros((r, t_max), jnp.float32),  # logps
-        jnp.zeros((r, t_max), jnp.float32),  # sampling_logps
-        jnp.zeros((r, t_max), bool),  # completion_mask
-        jnp.zeros((r,), bool),  # ended with EOS
-    )
-    slot_state = (first, jnp.zeros((n,), jnp.int32), logits, valid, ks, vs)
+    valid = jnp.concatenate(
+        [prompt_mask[jnp.minimum(first, r - 1)], jnp.ones((n, size - lp), bool)], axis=1
+    )  # [S, C]
+    if prefix is None:
+        out = (
+            jnp.full((r, t_max), pad_id, jnp.int32),  # tokens
+            jnp.zeros((r, t_max), jnp.float32),  # logps
+            jnp.zeros((r, t_max), jnp.float32),  # sampling_logps
+            jnp.zeros((r, t_max), bool),  # completion_mask
+            jnp.zeros((r,), bool),  # ended with EOS
+        )
+    else:
+        out = (
+            prefix.tokens.astype(jnp.int32),
+            prefix.logps.astype(jnp.float32),
+            prefix.sampling_logps.astype(jnp.float32),
+            jnp.arange(t_max)[None] < k0[:, None],
+            prefix.eos.astype(bool),
+        )
+    slot_state = (first, k0[jnp.minimum(first, r - 1)], logits, valid, ks, vs)
 
     def refill(free, nxt, slot_state):
         """Admits queued requests into the free slots, one single-row prefill each."""
 
         def cond(c):
             free, nxt, _ = c
-            return jnp.any(free) & (nxt < r)
+            return jnp.any(free) & (nxt < todo)
 
         def body(c):
             free, nxt, (req, t, logits, valid, ks, vs) = c
             s = jnp.argmax(free).astype(jnp.int32)  # first free slot
-            row_logits, pc = prefill(nxt[None])
+            new = queue[nxt]
+            row_logits, pc = prefill(new[None])
             ks = tuple(lax.dynamic_update_slice(a, p, (s, 0, 0, 0)) for a, p in zip(ks, pc.k))
             vs = tuple(lax.dynamic_update_slice(a, p, (s, 0, 0, 0)) for a, p in zip(vs, pc.v))
             # The new occupant's prompt mask replaces the old one; the old completion
             # entries stay hidden by causality until this request overwrites them.
             row_valid = jnp.concatenate(
-                [lax.dynamic_index_in_dim(prompt_mask, nxt, 0), future[None]], 1
+                [lax.dynamic_index_in_dim(prompt_mask, new, 0), future[None]], 1
             )
             valid = lax.dynamic_update_slice(valid, row_valid, (s, 0))
             logits = lax.dynamic_update_slice(logits, row_logits, (s, 0))
-            req, t = req.at[s].set(nxt), t.at[s].set(0)
+            req, t = req.at[s].set(new), t.at[s].set(k0[new])
             return free.at[s].set(False), nxt + 1, (req, t, logits, valid, ks, vs)
 
         free, nxt, (req, *rest) = lax.while_loop(cond, body, (free, nxt, slot_state))
         return nxt, (jnp.where(free, r, req), *rest)  # no request left: the slot goes idle
 
+    def complete_groups(done):
+        return jnp.sum(jnp.all(done.reshape(-1, group_size), axis=-1), dtype=jnp.int32)
+
     def cond(state):
-        return jnp.any(state[2][0] < r)
+        busy = jnp.any(state[2][0] < r)
+        if not stop_groups:
+            return busy
+        return busy & (complete_groups(state[4]) < stop_groups)
 
     def body(state):
-        step, nxt, slot_state, out = state
+        step, nxt, slot_state, out, done = state
         req, t, logits, valid, ks, vs = slot_state
         active = req < r
         tok, logp, slogp = jax.vmap(sample_row)(logits, req, t)  # [S] each
@@ -175,18 +244,19 @@ def _continuous_generate(
         ended_eos = ended_eos.at[req].set(is_eos, mode="drop")
         budget = budgets[jnp.minimum(req, r - 1)]
         end = active & (is_eos | (t + 1 >= budget))
+        done = done.at[jnp.where(end, req, r)].set(True, mode="drop")
         logits, ks, vs = jax.vmap(decode_row)(
             ks, vs, valid, tok, t, prompt_lengths[jnp.minimum(req, r - 1)]
         )
         t = jnp.where(active, t + 1, t)
         nxt, slot_state = refill(end, nxt, (req, t, logits, valid, ks, vs))
-        return step + 1, nxt, slot_state, (tokens, logps, slogps, mask, ended_eos)
+        return step + 1, nxt, slot_state, (tokens, logps, slogps, mask, ended_eos), done
 
-    init = (jnp.asarray(0, jnp.int32), jnp.asarray(n, jnp.int32), slot_state, out)
-    steps, admitted, _, out = lax.while_loop(cond, body, init)
+    init = (jnp.asarray(0, jnp.int32), jnp.minimum(todo, n), slot_state, out, done0)
+    steps, admitted, _, out, done = lax.while_loop(cond, body, init)
     tokens, logps, slogps, mask, ended_eos = out
     lengths = jnp.sum(mask, axis=-1, dtype=jnp.int32)
-    useful = jnp.sum(lengths)
+    useful = jnp.sum(lengths - k0)  # tokens sampled by this call
     rollout = Rollout(
         tokens=tokens,
         logps=logps,
@@ -203,7 +273,7 @@ def _continuous_generate(
         slot_utilization=useful / jnp.maximum(steps * n, 1).astype(jnp.float32),
         slots=n,
     )
-    return rollout, stats
+    return rollout, stats, done
 
 
 def make_continuous_generate_fn(
@@ -266,7 +336,7 @@ def make_continuous_generate_fn(
             raise ValueError(
                 f"continuous generate: max_lengths must be [R={r}], got {jnp.shape(max_lengths)}"
             )
-        rollout, stats = _continuous_generate(
+        rollout, stats, _ = _continuous_generate(
             params,
             prompts,
             prompt_mask,
@@ -282,5 +352,94 @@ def make_continuous_generate_fn(
             pad_id=int(sampling.pad_id),
         )
         return (rollout, stats) if return_stats else rollout
+
+    return generate_fn
+
+
+def make_partial_generate_fn(
+    config: ModelConfig,
+    sampling: SamplingConfig,
+    *,
+    slots: int,
+    prompt_len: int,
+    group_size: int,
+    stop_groups: int,
+) -> Callable[..., tuple[Rollout, jax.Array, EngineStats]]:
+    """Continuous batching that stops early and resumes: the sampler of partial rollouts.
+
+    "APRIL: Active Partial Rollouts in Reinforcement Learning to Tame Long-tail Generation"
+    (Zhou et al., 2025): more groups are requested than a step trains on; once
+    `stop_groups` groups of `group_size` consecutive requests are complete, generation
+    stops, and the unfinished rows are continued by a later call (under newer parameters)
+    from the tokens they have.
+
+    Returns f(params, prompts [R, Lp], prompt_mask [R, Lp], key, prefix: Prefix) ->
+    (Rollout, done bool[R], EngineStats). R must be a multiple of `group_size`.
+
+    - Requests are served in index order (put the oldest carried rows first), skipping
+      those with `prefix.done`; a request with `prefix.lengths[i] = k` is prefilled with
+      its prompt and its k tokens and samples from token k on, with keys
+      `request_key(key, i, t)` as in `make_continuous_generate_fn`.
+    - The loop ends when every request is done or at least `stop_groups` groups are
+      (several may complete in the same decode step); a row still being decoded then has
+      the tokens it sampled so far in the Rollout (`lengths`, mask, log-probs), and
+      `done[i]` False. `truncated` is meaningful for done rows only.
+    - The Rollout's first k tokens and log-probs of each request are the prefix's, as
+      given: each token keeps the log-prob of the policy that sampled it.
+    - `stop_groups = 0` serves every request (the result then equals
+      `make_continuous_generate_fn`'s for an empty prefix, up to the prefill's rounding).
+    - `EngineStats.useful_tokens` counts the tokens sampled by this call.
+
+    Prefills take Lp + T positions (prompt and prefix), so resuming costs one prefill per
+    carried row, as APRIL's re-prefill of partial samples on the inference engine does.
+    """
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"partial generate: slots must be an int >= 1, got {slots!r}")
+    if group_size < 1 or stop_groups < 0:
+        raise ValueError(
+            f"partial generate: group_size >= 1 and stop_groups >= 0 expected, got "
+            f"{group_size} and {stop_groups}"
+        )
+    sampling.check(config)
+
+    def generate_fn(params, prompts, prompt_mask, key, prefix: Prefix):
+        if prompts.ndim != 2 or prompts.shape != prompt_mask.shape:
+            raise ValueError(
+                f"partial generate: prompts {prompts.shape} and prompt_mask "
+                f"{prompt_mask.shape} must both be [R, Lp]"
+            )
+        r, lp = prompts.shape
+        if lp != prompt_len:
+            raise ValueError(f"partial generate: prompt width {lp} != prompt_len {prompt_len}")
+        if r == 0 or r % group_size:
+            raise ValueError(
+                f"partial generate: {r} requests are not a positive multiple of group_size "
+                f"{group_size}"
+            )
+        t = sampling.max_new_tokens
+        if prefix.tokens.shape != (r, t) or prefix.lengths.shape != (r,):
+            raise ValueError(
+                f"partial generate: prefix tokens {prefix.tokens.shape} / lengths "
+                f"{prefix.lengths.shape}, expected [{r}, {t}] / [{r}]"
+            )
+        rollout, stats, done = _continuous_generate(
+            params,
+            prompts,
+            prompt_mask,
+            key,
+            None,
+            prefix,
+            config=config,
+            slots=min(slots, r),
+            max_new_tokens=t,
+            temperature=float(sampling.temperature),
+            top_k=int(sampling.top_k),
+            top_p=float(sampling.top_p),
+            eos_ids=sampling.eos_ids,
+            pad_id=int(sampling.pad_id),
+            group_size=group_size,
+            stop_groups=stop_groups,
+        )
+        return rollout, done, stats
 
     return generate_fn

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import models
-from jaxrl_llm.engine import make_continuous_generate_fn
+from jaxrl_llm.engine import Prefix, make_continuous_generate_fn, make_partial_generate_fn
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import SamplingConfig, make_generate_fn
 
@@ -133,6 +133,96 @@ def test_bad_arguments_raise_clear_errors():
     prompts, mask = _prompts()
     with pytest.raises(ValueError, match="prompt width 6 != prompt_len 7"):
         fn(PARAMS, prompts, mask, jax.random.key(0))
+
+
+@functools.lru_cache
+def _partial(sampling, slots, group_size, stop_groups):
+    fn = make_partial_generate_fn(
+        CONFIG,
+        sampling,
+        slots=slots,
+        prompt_len=LP,
+        group_size=group_size,
+        stop_groups=stop_groups,
+    )
+    return jax.jit(fn)
+
+
+def _carry(rollout, done):
+    """The Prefix that continues `rollout` (what the trainer carries to the next step)."""
+    return Prefix(
+        tokens=rollout.tokens,
+        logps=rollout.logps,
+        sampling_logps=rollout.sampling_logps,
+        lengths=rollout.lengths,
+        done=done,
+        eos=~rollout.truncated & done,
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_partial_rollouts_stop_early_and_resume_to_the_uninterrupted_rollouts(temperature):
+    """APRIL: stop once 1 group of 2 is complete, then continue the rest from their tokens.
+
+    With the same parameters and key, a resumed row samples token t with the same key as
+    an uninterrupted run, so the two give the same rollouts; the carried log-probs are
+    returned unchanged and the resumed ones equal a full-forward recomputation."""
+    prompts, mask = _prompts()
+    sampling = SamplingConfig(max_new_tokens=T, temperature=temperature, eos_ids=EOS)
+    key = jax.random.key(11)
+    full, done_full, _ = _partial(sampling, 3, 2, 0)(PARAMS, prompts, mask, key, Prefix.empty(R, T))
+    np.testing.assert_array_equal(done_full, True)
+    reference, _ = _continuous(sampling, 3)(PARAMS, prompts, mask, key)
+    for name in OUTPUTS:
+        np.testing.assert_array_equal(getattr(full, name), getattr(reference, name), name)
+    np.testing.assert_allclose(full.logps, reference.logps, atol=1e-5)
+
+    first, done, stats = _partial(sampling, 3, 2, 1)(PARAMS, prompts, mask, key, Prefix.empty(R, T))
+    done = np.asarray(done)
+    groups = done.reshape(-1, 2).all(-1)
+    assert groups.sum() >= 1 and not done.all()  # stopped early, some rows unfinished
+    lengths = np.asarray(first.lengths)
+    assert int(stats.useful_tokens) == lengths.sum()
+    # Every row holds a prefix of its uninterrupted rollout (done rows: all of it).
+    full_tokens, full_len = np.asarray(full.tokens), np.asarray(full.lengths)
+    for i in range(R):
+        k = lengths[i]
+        assert k <= full_len[i] and (k == full_len[i]) == done[i], i
+        np.testing.assert_array_equal(np.asarray(first.tokens)[i, :k], full_tokens[i, :k])
+    assert (lengths[~done] < full_len[~done]).any()  # some row really was cut short
+
+    carry = _carry(first, jnp.asarray(done))
+    # Mark the carried log-probs so their pass-through is visible.
+    carry = carry.replace(logps=jnp.where(first.completion_mask, carry.logps - 1.0, 0.0))
+    second, done2, stats2 = _partial(sampling, 2, 2, 0)(PARAMS, prompts, mask, key, carry)
+    np.testing.assert_array_equal(done2, True)
+    for name in OUTPUTS:
+        np.testing.assert_array_equal(getattr(second, name), getattr(full, name), name)
+    old = np.arange(T)[None] < lengths[:, None]
+    np.testing.assert_allclose(
+        np.asarray(second.logps)[old], np.asarray(full.logps)[old] - 1.0, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(second.logps)[~old], np.asarray(full.logps)[~old], atol=1e-5
+    )
+    # Only the unfinished rows were decoded again, from where they stopped.
+    assert int(stats2.prefills) == int((~done).sum())
+    assert int(stats2.useful_tokens) == int(full_len.sum() - lengths.sum())
+
+
+def test_partial_generate_rejects_bad_shapes():
+    sampling = SamplingConfig(max_new_tokens=T)
+    prompts, mask = _prompts()
+    fn = make_partial_generate_fn(
+        CONFIG, sampling, slots=2, prompt_len=LP, group_size=3, stop_groups=1
+    )
+    with pytest.raises(ValueError, match="not a positive multiple of group_size 3"):
+        fn(PARAMS, prompts, mask, jax.random.key(0), Prefix.empty(R, T))
+    fn = make_partial_generate_fn(
+        CONFIG, sampling, slots=2, prompt_len=LP, group_size=2, stop_groups=1
+    )
+    with pytest.raises(ValueError, match="prefix tokens"):
+        fn(PARAMS, prompts, mask, jax.random.key(0), Prefix.empty(R, T + 1))
 
 
 def test_trainer_with_continuous_engine_is_independent_of_slots(data_dir, tmp_path):
