@@ -14,6 +14,7 @@ from jaxrl_llm.transforms import (
     group_advantages,
     keep_max_variance_rollouts,
     keep_top_tokens,
+    kl_in_reward,
     mask_truncated,
     shape_overlong,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "group_advantages",
     "keep_max_variance_rollouts",
     "keep_top_tokens",
+    "kl_in_reward",
     "kl_penalty",
     "losses",
     "mask_truncated",

@@ -279,3 +279,101 @@ def overlong_penalty(lengths, *, max_len: int, buffer: int, factor: float = 1.0)
         raise ValueError(f"buffer: expected 0 < buffer <= max_len ({max_len}), got {buffer}")
     over = jnp.asarray(lengths, jnp.float32) - (max_len - buffer)
     return jnp.clip(-over / buffer * factor, -factor, 0.0)
+
+
+def _kl_inputs(kl, mask, valid):
+    check_array("kl", kl, rank=3, kind="float", layout="[P, G, T]")
+    check_array("mask", mask, shape=kl.shape, kind="bool_or_float", layout="[P, G, T]")
+    valid = default_valid(valid, kl.shape)
+    mask = mask.astype(jnp.float32)
+    # Masked positions may hold anything (padding logits): where() keeps NaN/inf out.
+    return jnp.where(mask > 0, kl * mask, 0.0), mask, valid
+
+
+def kl_in_reward(scores, kl, mask, beta, valid=None):
+    r"""Subtracts a per-sequence KL penalty from the scalar rewards (KL in the reward).
+
+    The reward of RLHF with a KL penalty, "Fine-Tuning Language Models from Human
+    Preferences" (Ziegler et al.) and InstructGPT ("Training language models to follow
+    instructions with human feedback"): :math:`R(x, y) = r(x, y) - \beta\,\mathrm{KL}`,
+    estimated per token on the sampled response (verl's `algorithm.use_kl_in_reward`).
+    verl puts the scalar score on the last response token and subtracts
+    :math:`\beta\,k_t` on every token; an outcome estimator (GRPO, RLOO, ...) then sums
+    the token rewards, so that for member (p, g)
+
+    .. math::
+       s'_{pg} = s_{pg} - \beta \sum_t m_{pgt}\, k_{pgt}
+
+    with :math:`k_{pgt}` a per-token KL estimate of the sampling (old) policy to the
+    reference (`losses.kl_penalty(old_logp, ref_logp, kind)`) and :math:`m` the mask.
+
+    Args:
+      scores: float[P, G] scalar rewards.
+      kl: float[P, G, T] per-token KL estimates; masked positions are ignored (even NaN).
+      mask: bool or float[P, G, T] completion mask (float = per-token weights).
+      beta: the KL coefficient, a Python or traced scalar.
+      valid: bool[P, G] or None (all valid); invalid members keep their score.
+
+    Returns:
+      (new scores float[P, G], seq_kl float[P, G] = :math:`\sum_t m_{pgt} k_{pgt}`, 0
+      where invalid).
+    """
+    check_array("scores", scores, rank=2, kind="float", layout="[P, G]")
+    check_array("kl", kl, shape=(*scores.shape, None), layout="[P, G, T]")
+    kl, _, valid = _kl_inputs(kl, mask, valid)
+    seq_kl = jnp.where(valid, jnp.sum(kl, axis=-1), 0.0)
+    return scores - beta * seq_kl, seq_kl
+
+
+def mean_sequence_kl(kl, mask, valid=None):
+    r"""The batch KL an adaptive KL controller tracks: the mean per-sequence mean KL.
+
+    :math:`\overline{\mathrm{KL}} = \frac{1}{|V|}\sum_{(p,g) \in V}
+    \frac{\sum_t m_{pgt} k_{pgt}}{\sum_t m_{pgt}}` over the valid members V (verl's
+    `apply_kl_penalty`: `masked_mean(kld, mask, axis=-1)`, then the mean over the batch).
+    A member with an empty mask contributes 0 (as in verl); 0 if no member is valid.
+
+    Args:
+      kl: float[P, G, T] per-token KL estimates.
+      mask: bool or float[P, G, T].
+      valid: bool[P, G] or None (all valid).
+
+    Returns:
+      float32[] scalar.
+    """
+    kl, mask, valid = _kl_inputs(kl, mask, valid)
+    per_seq = jnp.sum(kl, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1e-8)
+    n = jnp.sum(valid)
+    return jnp.sum(jnp.where(valid, per_seq, 0.0)) / jnp.maximum(n, 1)
+
+
+def adaptive_kl_beta(beta, current_kl, target: float, horizon: float, n_steps):
+    r"""One update of the adaptive KL coefficient (a proportional controller).
+
+    "Fine-Tuning Language Models from Human Preferences" (Ziegler et al., 2019, §2.2),
+    as in verl's `AdaptiveKLController.update`:
+
+    .. math::
+       e = \mathrm{clip}\left(\frac{\mathrm{KL}}{\mathrm{KL}_{\mathrm{target}}} - 1,
+       -0.2, 0.2\right),\quad \beta \leftarrow \beta\,\left(1 + e\,\frac{n}{H}\right)
+
+    with n the number of samples (sequences) behind this KL estimate and H the horizon.
+
+    Args:
+      beta: the current coefficient, scalar.
+      current_kl: the measured KL (e.g. `mean_sequence_kl`), scalar.
+      target: :math:`\mathrm{KL}_{\mathrm{target}} > 0`.
+      horizon: :math:`H > 0`.
+      n_steps: n, scalar (verl passes the batch size in sequences).
+
+    Returns:
+      float32[] the new coefficient.
+    """
+    if not target > 0:
+        raise ValueError(f"target: expected a positive KL target, got {target!r}")
+    if not horizon > 0:
+        raise ValueError(f"horizon: expected a positive horizon, got {horizon!r}")
+    err = jnp.clip(jnp.asarray(current_kl, jnp.float32) / target - 1.0, -0.2, 0.2)
+    return jnp.asarray(beta, jnp.float32) * (
+        1.0 + err * jnp.asarray(n_steps, jnp.float32) / horizon
+    )

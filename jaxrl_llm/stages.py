@@ -78,8 +78,13 @@ def rollouts_to_batch(prompts: jax.Array, prompt_mask: jax.Array, rollout: Rollo
     )
 
 
-def make_rollouts(scored: Scored, group_size: int, entropy: jax.Array | None) -> Rollouts:
-    """`Rollouts` [P, G, ...] of a scored batch, for the transform chain."""
+def make_rollouts(
+    scored: Scored, group_size: int, entropy: jax.Array | None, kl: jax.Array | None = None
+) -> Rollouts:
+    """`Rollouts` [P, G, ...] of a scored batch, for the transform chain.
+
+    `entropy` and `kl` ([N, T] per-token, or None) fill the optional fields a chain needs.
+    """
     b = scored.batch
     n, t = b.loss_weights.shape
     p = n // group_size
@@ -87,6 +92,7 @@ def make_rollouts(scored: Scored, group_size: int, entropy: jax.Array | None) ->
         scored.rewards.reshape(p, group_size, -1),  # [P, G, K]
         token_mask=b.loss_weights.reshape(p, group_size, t),
         entropy=None if entropy is None else entropy.reshape(p, group_size, t),
+        kl=None if kl is None else kl.reshape(p, group_size, t),
         lengths=jnp.sum(b.loss_weights > 0, axis=-1, dtype=jnp.int32).reshape(p, group_size),
         truncated=scored.truncated.reshape(p, group_size),
     )
@@ -98,9 +104,11 @@ def apply_chain(
     scored: Scored,
     transform_state: Any,
     entropy: jax.Array | None = None,
+    kl: jax.Array | None = None,
 ) -> tuple[TrainBatch, Rollouts, Any]:
     """Runs the transform chain and writes advantages and loss weights into the batch."""
-    ro, transform_state = chain.apply(make_rollouts(scored, group_size, entropy), transform_state)
+    ro = make_rollouts(scored, group_size, entropy, kl)
+    ro, transform_state = chain.apply(ro, transform_state)
     n, t = scored.batch.loss_weights.shape
     batch = scored.batch.replace(
         advantages=ro.advantages.reshape(n), loss_weights=ro.loss_weights().reshape(n, t)

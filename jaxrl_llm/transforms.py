@@ -51,14 +51,15 @@ class CountState(NamedTuple):
 
 
 # Optional `Rollouts` fields a transform may declare in `needs`.
-NEEDS = ("entropy",)
+NEEDS = ("entropy", "kl")
 
 
 class RolloutTransform(NamedTuple):
     """`init(rollouts) -> state`; `apply(rollouts, state) -> (rollouts, state)`.
 
     `needs`: the optional `Rollouts` fields (from `NEEDS`) that `apply` reads, which
-    the caller must fill (e.g. "entropy": per-token policy entropy, an extra forward pass).
+    the caller must fill (e.g. "entropy": per-token policy entropy, an extra forward pass;
+    "kl": per-token KL of the old policy to the reference, which needs the reference model).
     """
 
     init: Callable[[Rollouts], Any]
@@ -130,6 +131,66 @@ def shape_overlong(*, max_len: int, buffer: int, factor: float = 1.0) -> Rollout
         return r.replace(scores=jnp.where(r.valid, r.scores + pen, 0.0))
 
     return stateless(fn)
+
+
+class KLRewardState(NamedTuple):
+    """State of `kl_in_reward`: the coefficient for the next batch, and metrics."""
+
+    beta: Any  # float32[] the KL coefficient the next `apply` uses
+    count: Any  # int32[] applications so far (RL steps)
+    kl: Any  # float32[] the batch KL measured by the last apply (`mean_sequence_kl`)
+
+
+def kl_in_reward(
+    beta: float = 0.001, *, target: float | None = None, horizon: float = 10000
+) -> RolloutTransform:
+    """Lowers `scores` by beta times each sequence's summed KL (verl's `use_kl_in_reward`).
+
+    `scores` of the active members become `s - beta * sum_t m_t kl_t`
+    (`advantages.kl_in_reward`), with `Rollouts.kl` the per-token KL estimate of the
+    sampling policy to the reference and `m` the token mask. It changes the scores the
+    estimator sees, so it must come BEFORE `group_advantages` (and before
+    `drop_uninformative_groups`, which then sees the penalised scores: groups of equal
+    rewards usually differ by their KL) in a chain. It declares `needs={"kl"}`.
+
+    `target=None` keeps beta fixed. Otherwise beta adapts after every apply with the
+    proportional controller of Ziegler et al. (`advantages.adaptive_kl_beta`): with KL the
+    batch's mean per-sequence mean KL over the active members (`mean_sequence_kl`) and n
+    the number of active members, beta *= 1 + clip(KL / target - 1, +-0.2) * n / horizon.
+    As in verl, a batch is penalised with the beta from before its own update.
+
+    The state is `KLRewardState(beta, count, kl)`: `beta` is the coefficient the next
+    batch will use, `kl` the last measured batch KL, both scalars for metrics.
+    """
+    if not beta >= 0:
+        raise ValueError(f"beta: expected a non-negative KL coefficient, got {beta!r}")
+    if target is not None:
+        adv_lib.adaptive_kl_beta(beta, 0.0, target, horizon, 0)  # validates
+
+    def init(rollouts):
+        return KLRewardState(
+            beta=jnp.asarray(beta, jnp.float32),
+            count=jnp.zeros((), jnp.int32),
+            kl=jnp.zeros((), jnp.float32),
+        )
+
+    def apply(r: Rollouts, state: KLRewardState):
+        if r.kl is None:
+            raise ValueError(
+                "kl: kl_in_reward needs Rollouts.kl (per-token KL of the old policy to the "
+                "reference); the caller fills it when 'kl' is in chain.needs"
+            )
+        mask = jnp.ones_like(r.kl) if r.token_weight is None else r.token_weight
+        active = r.active
+        scores, _ = adv_lib.kl_in_reward(r.scores, r.kl, mask, state.beta, active)
+        current = adv_lib.mean_sequence_kl(r.kl, mask, active)
+        new_beta = state.beta
+        if target is not None:
+            new_beta = adv_lib.adaptive_kl_beta(state.beta, current, target, horizon, active.sum())
+        new_state = KLRewardState(beta=new_beta, count=state.count + 1, kl=current)
+        return r.replace(scores=scores), new_state
+
+    return RolloutTransform(init, apply, frozenset({"kl"}))
 
 
 def _identity(rewards, valid=None):
@@ -278,6 +339,7 @@ def keep_top_tokens(
 TRANSFORMS: Mapping[str, Callable[..., RolloutTransform]] = {
     "combine_rewards": combine_rewards,
     "shape_overlong": shape_overlong,
+    "kl_in_reward": kl_in_reward,
     "group_advantages": group_advantages,
     "drop_uninformative_groups": drop_uninformative_groups,
     "mask_truncated": mask_truncated,

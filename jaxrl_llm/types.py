@@ -28,10 +28,19 @@ class Rollouts:
     entropy: jnp.ndarray | None = None  # float32[P, G, T] per-token policy entropy
     lengths: jnp.ndarray | None = None  # int32[P, G] completion lengths in tokens
     truncated: jnp.ndarray | None = None  # bool[P, G] hit the length limit without EOS
+    kl: jnp.ndarray | None = None  # float32[P, G, T] per-token KL of the old policy to the ref
 
     @classmethod
     def create(
-        cls, rewards, *, valid=None, token_mask=None, entropy=None, lengths=None, truncated=None
+        cls,
+        rewards,
+        *,
+        valid=None,
+        token_mask=None,
+        entropy=None,
+        lengths=None,
+        truncated=None,
+        kl=None,
     ) -> Rollouts:
         """Builds Rollouts from raw rewards.
 
@@ -43,6 +52,8 @@ class Rollouts:
           entropy: float[P, G, T] or None.
           lengths: int[P, G] or None.
           truncated: bool[P, G] or None.
+          kl: float[P, G, T] or None: per-token KL estimate of the sampling (old) policy
+            to the reference, e.g. `losses.kl_penalty(old_logp, ref_logp, kind)`.
 
         `scores` starts as the plain sum over K (use `combine_rewards` to weight or
         decouple); `advantages` start at 0 and `sample_weight` at `valid`.
@@ -67,6 +78,9 @@ class Rollouts:
         if entropy is not None:
             want = (*pg, None) if token_mask is None else token_mask.shape
             check_array("entropy", entropy, shape=want, kind="float", layout="[P, G, T]")
+        if kl is not None:
+            want = (*pg, None) if token_mask is None else token_mask.shape
+            check_array("kl", kl, shape=want, kind="float", layout="[P, G, T]")
         if lengths is not None:
             check_array("lengths", lengths, shape=pg, kind="int", layout="[P, G]")
         if truncated is not None:
@@ -81,6 +95,7 @@ class Rollouts:
             entropy=entropy,
             lengths=lengths,
             truncated=truncated,
+            kl=kl,
         )
 
     @property
