@@ -44,6 +44,10 @@ class TrainBatch:
     advantages: jnp.ndarray  # float32[N]
     old_logps: jnp.ndarray  # float32[N, T] log-probs under the sampling policy
     ref_logps: jnp.ndarray  # float32[N, T] under the reference policy (zeros if beta = 0)
+    # float32[N, T] log-probs of the policies that sampled each token, when they differ from
+    # `old_logps` (partial or asynchronous rollouts): the loss is then the decoupled PPO
+    # objective with `old_logps` as the proximal policy. None = on-policy PPO.
+    behav_logps: jnp.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +67,10 @@ class LossConfig:
     num_iterations: int = 1  # PPO epochs over one batch of rollouts
     num_minibatches: int = 1  # optimizer steps per epoch
     micro_batch_size: int = 0  # rows per gradient-accumulation step; 0 = whole mini-batch
+    # Decoupled PPO (batches with behav_logps): cap C of the behaviour importance weight
+    # pi_prox / pi_behav (None = uncapped), "truncate" (min(w, C)) or "mask" (w > C -> 0).
+    is_cap: float | None = 2.0
+    is_cap_mode: str = "truncate"
 
     def __post_init__(self):
         check_choice("loss.ratio", self.ratio, losses.RATIO_LEVELS)
@@ -77,6 +85,9 @@ class LossConfig:
             raise ValueError(f"loss.temperature: expected > 0, got {self.temperature}")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"loss.dual_clip: expected > 1 or None, got {self.dual_clip}")
+        check_choice("loss.is_cap_mode", self.is_cap_mode, losses.IS_CAP_MODES)
+        if self.is_cap is not None and not self.is_cap > 0:
+            raise ValueError(f"loss.is_cap: expected > 0 or None, got {self.is_cap}")
 
     def micro_batches(self, rows: int) -> tuple[int, int]:
         """(mini-batch rows, micro-batches per mini-batch) for a batch of `rows`."""
@@ -105,6 +116,9 @@ SUM_KEYS = (
     "dual_clip_frac",
     "approx_kl_old",
 )
+# Also summed for decoupled (off-policy) batches: the mean behaviour weight after the cap
+# and the fraction of tokens whose weight the cap changed.
+OFF_POLICY_KEYS = ("is_weight", "is_truncated_frac")
 
 
 def completion_logps(params, model: ModelConfig, batch: TrainBatch, temperature: float):
@@ -133,19 +147,29 @@ def loss_terms(params, model: ModelConfig, cfg: LossConfig, batch: TrainBatch):
 
     Per token: :math:`\\ell_t = L^{clip}_t + \\beta\\,\\mathrm{KL}_t - c_H H_t`, aggregated
     with `cfg.aggregation`; aux holds the numerators of the diagnostics (token sums).
+    With `batch.behav_logps`, :math:`L^{clip}_t` is `losses.decoupled_policy_loss` (AReaL's
+    decoupled PPO: clipped against `old_logps` as the proximal policy, weighted by the
+    capped pi_prox / pi_behav).
     """
     logps, ent = completion_logps(params, model, batch, cfg.temperature)
     w = batch.loss_weights
-    pg, aux = losses.policy_loss_with_aux(
-        logps,
-        batch.old_logps,
-        batch.advantages,
-        w,
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip,
-        ratio=cfg.ratio,
+    clip = dict(
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, ratio=cfg.ratio
     )
+    decoupled = batch.behav_logps is not None
+    if decoupled:
+        pg, aux = losses.decoupled_policy_loss_with_aux(
+            logps,
+            batch.old_logps,
+            batch.behav_logps,
+            batch.advantages,
+            w,
+            is_cap=cfg.is_cap,
+            is_cap_mode=cfg.is_cap_mode,
+            **clip,
+        )
+    else:
+        pg, aux = losses.policy_loss_with_aux(logps, batch.old_logps, batch.advantages, w, **clip)
     per_token = pg
     kl = jnp.zeros_like(pg)
     if cfg.beta:
@@ -166,6 +190,9 @@ def loss_terms(params, model: ModelConfig, cfg: LossConfig, batch: TrainBatch):
         "dual_clip_frac": jnp.sum(aux["dual_clipped"] * on),
         "approx_kl_old": jnp.sum(0.5 * jnp.square(logps - batch.old_logps) * on),
     }
+    if decoupled:
+        sums["is_weight"] = jnp.sum(aux["is_weight"] * on)
+        sums["is_truncated_frac"] = jnp.sum(aux["is_truncated"] * on)
     return total, sums
 
 
@@ -193,7 +220,8 @@ def make_train_step(model: ModelConfig, cfg: LossConfig, optimizer: optax.Gradie
 
     Metrics are means over the mini-batch updates of the call: "loss", "grad_norm"
     (before clipping), and token means of "policy_loss", "kl", "entropy", "ratio",
-    "clip_frac_high", "clip_frac_low", "dual_clip_frac", "approx_kl_old".
+    "clip_frac_high", "clip_frac_low", "dual_clip_frac", "approx_kl_old"; with
+    `batch.behav_logps` also "is_weight" and "is_truncated_frac".
     """
 
     def minibatch_update(carry, mb: TrainBatch, frozen):
@@ -214,7 +242,8 @@ def make_train_step(model: ModelConfig, cfg: LossConfig, optimizer: optax.Gradie
             s = {**s, "loss_total": total}
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s)), None
 
-        zero_sums = {k: jnp.zeros((), jnp.float32) for k in (*SUM_KEYS, "loss_total")}
+        keys = (*SUM_KEYS, *(OFF_POLICY_KEYS if mb.behav_logps is not None else ()))
+        zero_sums = {k: jnp.zeros((), jnp.float32) for k in (*keys, "loss_total")}
         grads0 = jax.tree.map(jnp.zeros_like, params)
         (grads, sums), _ = jax.lax.scan(accumulate, (grads0, zero_sums), micro)
         grads = jax.tree.map(lambda g: g / denom, grads)

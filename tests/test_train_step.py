@@ -149,3 +149,38 @@ def test_loss_config_errors_name_the_key():
         ts.LossConfig(micro_batch_size=3).micro_batches(8)
     with pytest.raises(ValueError, match=r"loss.dual_clip"):
         ts.LossConfig(dual_clip=0.5)
+
+
+def test_decoupled_step_reduces_to_ppo_and_weights_stale_tokens():
+    """With behav == proximal the decoupled update is the PPO update; a stale token's
+    gradient is scaled by its capped weight pi_prox / pi_behav."""
+    params = init_params(MODEL, jax.random.key(0))
+    batch = _batch()
+    logps, _ = ts.completion_logps(params, MODEL, batch, 1.0)
+    batch = batch.replace(old_logps=logps)  # proximal = current params
+    opt = optax.sgd(0.5)
+    cfg = ts.LossConfig(is_cap=2.0)
+    step = jax.jit(ts.make_train_step(MODEL, cfg, opt))
+    ppo_state, ppo = step(_state(params, opt), batch)
+    same_state, same = step(_state(params, opt), batch.replace(behav_logps=logps))
+    for a, b in zip(jax.tree.leaves(ppo_state.params), jax.tree.leaves(same_state.params)):
+        np.testing.assert_allclose(a, b, atol=1e-7)
+    np.testing.assert_allclose(same["loss"], ppo["loss"], rtol=1e-6)
+    np.testing.assert_allclose(same["is_weight"], 1.0, atol=1e-6)
+    assert float(same["is_truncated_frac"]) == 0.0
+    assert "is_weight" not in ppo
+
+    # Behaviour log-probs lower by log 1.5 (w = 1.5) on half the rows, by log 4 (w = 4,
+    # capped at 2) on the others. On-policy (ratio 1) the per-token gradient is -A w grad
+    # logp, so the update equals PPO's with advantages scaled by w.
+    n, t = batch.loss_weights.shape
+    w = np.where(np.arange(n) % 2 == 0, 1.5, 4.0)[:, None] * np.ones((1, t))
+    stale = batch.replace(behav_logps=logps - np.log(w).astype(np.float32))
+    dec_state, dec = step(_state(params, opt), stale)
+    capped = np.minimum(w[:, 0], 2.0)
+    scaled_state, _ = step(_state(params, opt), batch.replace(advantages=batch.advantages * capped))
+    for a, b in zip(jax.tree.leaves(dec_state.params), jax.tree.leaves(scaled_state.params)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    on = np.asarray(batch.loss_weights) > 0
+    np.testing.assert_allclose(dec["is_weight"], np.minimum(w, 2.0)[on].mean(), rtol=1e-5)
+    np.testing.assert_allclose(dec["is_truncated_frac"], (w > 2.0)[on].mean(), rtol=1e-5)
