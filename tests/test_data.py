@@ -468,6 +468,30 @@ def test_make_source_specs(data_dir):
         pipeline.make_source("arithmetic/hard")
 
 
+def test_mixed_task_source_interleaves_levels(data_dir, monkeypatch):
+    sizes = {"data_dir": data_dir, "num_train": 30, "num_test": 10}
+    mixed = pipeline.task_source("arithmetic", "test", "mixed", **sizes)
+    levels = tasks.MIXED_LEVELS["arithmetic"]
+    assert len(mixed) == 10 * len(levels)
+    # Record k is record k // n of level levels[k % n], with that level's metadata.
+    parts = [pipeline.task_source("arithmetic", "test", d, **sizes) for d in levels]
+    for k in range(len(mixed)):
+        assert mixed[k] == parts[k % len(levels)][k // len(levels)]
+    assert [mixed[k]["metadata"]["difficulty"] for k in range(6)] == [*levels, *levels]
+    # Train and test stay disjoint, as for each level.
+    train = pipeline.task_source("arithmetic", "train", "mixed", **sizes)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in mixed}
+    with pytest.raises(IndexError):
+        mixed[len(mixed)]
+    # The config string resolves to the same source (sizes aside; the call is recorded).
+    calls = []
+    monkeypatch.setattr(pipeline, "task_source", lambda *a, **k: calls.append(a))
+    pipeline.make_source("arithmetic/mixed", "test", data_dir=data_dir)
+    assert calls == [("arithmetic", "test", "mixed")]
+    with pytest.raises(ValueError, match="'arithmetic/mixed'"):
+        pipeline.make_source("arithmetic/mix")
+
+
 def test_record_source_is_random_access(countdown_source):
     in_order = [countdown_source[i] for i in range(len(countdown_source))]
     # The records are the generator's problems (TFDS stores them in its own order).

@@ -97,10 +97,28 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class _Interleaved:
+    """Random access over equal parts of ``parts``, interleaved: item k is item ``k // n`` of
+    part ``k % n`` (n parts), ``n * min(len(part))`` items in all."""
+
+    def __init__(self, parts: Sequence[Sequence[Any]]):
+        self._parts = list(parts)
+        self._len = len(self._parts) * min(len(part) for part in self._parts)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> Any:
+        if not 0 <= index < self._len:
+            raise IndexError(f"index {index} out of range for {self._len} records")
+        n = len(self._parts)
+        return self._parts[index % n][index // n]
+
+
 def task_source(
     task: str,
     split: str = "train",
-    difficulty: int = 1,
+    difficulty: int | str = 1,
     *,
     data_dir: str | None = None,
     num_train: int | None = None,
@@ -111,7 +129,18 @@ def task_source(
 
     Metadata carries ``task`` (which the ``correct`` reward dispatches on), ``difficulty`` and,
     for countdown, ``numbers`` and ``target``.
+
+    ``difficulty="mixed"`` interleaves the levels `tasks.MIXED_LEVELS` of the task in equal
+    parts (record k is from level ``levels[k % n]``), each level the same split, sizes and
+    seed as on its own, so train and test stay disjoint and the mix is deterministic.
     """
+    if difficulty == "mixed":
+        tasks.get_task(task)  # validates the name
+        levels = tasks.MIXED_LEVELS[task]
+        kwargs = {"data_dir": data_dir, "num_train": num_train, "num_test": num_test}
+        parts = [task_source(task, split, d, seed=seed, **kwargs) for d in levels]
+        return RecordSource(_Interleaved(parts), lambda record: record, f"{task}/mixed:{split}")
+
     from jaxrl_llm.data import tfds_builders  # imports TFDS; only sources that need it pay
 
     builder = tfds_builders.build_task_dataset(
@@ -322,6 +351,7 @@ def make_source(
     """A source from a config string.
 
     * ``"arithmetic"``, ``"countdown/level3"``: a built-in task (level 1 when omitted);
+      ``"arithmetic/mixed"``: its levels `tasks.MIXED_LEVELS` interleaved in equal parts;
     * ``"jsonl:path/{split}.jsonl"`` or any path ending in ``.jsonl`` (``{split}`` is
       replaced by the split name);
     * ``"parquet:path/{split}.parquet"`` or any path ending in ``.parquet``;
@@ -341,19 +371,21 @@ def make_source(
         return parquet_source(spec.removeprefix("parquet:").format(split=split), **file_keys)
     task, _, level = spec.partition("/")
     if task in tasks.TASKS:
-        if level and not (level.startswith("level") and level[5:].isdigit()):
-            raise ValueError(f"bad task spec {spec!r}: expected e.g. '{task}/level1'")
+        if level and level != "mixed" and not (level.startswith("level") and level[5:].isdigit()):
+            raise ValueError(
+                f"bad task spec {spec!r}: expected e.g. '{task}/level1' or '{task}/mixed'"
+            )
         set_keys = [k for k, v in keys.items() if v]
         if set_keys:
             raise ValueError(
                 f"{', '.join(set_keys)} set for the built-in task {spec!r}, whose fields are "
                 "fixed; the keys are for 'jsonl:', 'parquet:' and 'tfds:' sources"
             )
-        difficulty = int(level[5:]) if level else 1
+        difficulty = "mixed" if level == "mixed" else int(level[5:]) if level else 1
         return task_source(task, split, difficulty, data_dir=data_dir)
     raise ValueError(
         f"unknown source {spec!r}: expected a built-in task {sorted(tasks.TASKS)} "
-        "(optionally '/levelN'), 'jsonl:PATH', 'parquet:PATH' or 'tfds:NAME'"
+        "(optionally '/levelN' or '/mixed'), 'jsonl:PATH', 'parquet:PATH' or 'tfds:NAME'"
     )
 
 

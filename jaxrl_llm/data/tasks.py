@@ -202,6 +202,15 @@ TASKS: dict[str, Task] = {
 }
 
 
+# The levels a ``"<task>/mixed"`` source interleaves in equal parts (`pipeline.task_source`):
+# an easy, a middle and a hard level, so a prompt sampler that tracks per-prompt difficulty
+# (VADE, `jaxrl_llm.data.vade`) has solved, learnable and unsolved prompts to tell apart.
+MIXED_LEVELS: dict[str, tuple[int, ...]] = {
+    "arithmetic": (1, 3, 6),
+    "countdown": (1, 2, 3),
+}
+
+
 def get_task(name: str) -> Task:
     """The built-in task called ``name``; an unknown name raises listing the known ones."""
     if name not in TASKS:
