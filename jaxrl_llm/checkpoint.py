@@ -5,6 +5,7 @@ A checkpoint step holds three items, so a resumed run continues exactly where it
   state  the train-state pytree (params, optimizer state, step, PRNG key, ...), as arrays;
   data   the grain iterator state (a small JSON dict), so the next batch is the same;
   meta   JSON: the run's config and the library versions that wrote it.
+  extra  (optional) more arrays a run carries between steps, e.g. partial rollouts.
 
 Atomicity comes from Orbax: a step is written under `<step>.orbax-checkpoint-tmp*` and
 renamed to `<step>` only once every item is complete, so a crash mid-save leaves a tmp
@@ -25,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
-_ITEMS = ("state", "data", "meta")
+_ITEMS = ("state", "data", "meta", "extra")
 _VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "jaxrl_llm")
 _SAFETENSORS_FORMAT = "jaxrl_llm.params/1"
 
@@ -110,6 +111,7 @@ class Checkpointer:
         data_state: Mapping[str, Any] | None = None,
         meta: Mapping[str, Any] | None = None,
         *,
+        extra: Any = None,
         force: bool = False,
     ) -> bool:
         """Saves one step; returns whether it was written (see `save_interval_steps`).
@@ -120,6 +122,8 @@ class Checkpointer:
           data_state: a JSON-able dict, typically `grain_iterator.get_state()`; None -> {}.
           meta: a JSON-able dict, typically `{"config": config.to_dict()}`; a "versions"
             entry with `library_versions()` is added unless present.
+          extra: an optional pytree of arrays (numpy or jax) saved as its own item; read it
+            back with `restore(..., target_extra=...)`.
           force: write even if `step` is off the save interval (never overwrites a step).
 
         Raises:
@@ -127,23 +131,27 @@ class Checkpointer:
             Nothing is written and earlier steps are untouched.
         """
         _check_state_leaves(state)
+        if extra is not None:
+            _check_state_leaves(extra)
         # A JSON round trip both validates and snapshots the dicts: with async saving the
         # caller may mutate them before the background write happens.
         data_json = _json_snapshot("data_state", data_state or {})
         meta_json = _json_snapshot("meta", dict(meta or {}))
         meta_json.setdefault("versions", library_versions())
-        return self._manager.save(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(data_json),
-                meta=ocp.args.JsonSave(meta_json),
-            ),
-            force=force,
+        items = dict(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_json),
+            meta=ocp.args.JsonSave(meta_json),
         )
+        if extra is not None:
+            items["extra"] = ocp.args.StandardSave(extra)
+        return self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
 
-    def restore(self, step: int | None = None, *, target_state: Any) -> tuple[Any, dict, dict]:
-        """Restores (state, data_state, meta) from `step` (default: the latest).
+    def restore(
+        self, step: int | None = None, *, target_state: Any, target_extra: Any = None
+    ) -> tuple[Any, ...]:
+        """Restores (state, data_state, meta) from `step` (default: the latest); with
+        `target_extra` (its arrays or their abstract form), (state, data_state, meta, extra).
 
         Args:
           step: the step to restore, or None for the latest finalized one.
@@ -157,15 +165,16 @@ class Checkpointer:
         """
         step = self._existing_step(step)
         abstract = jax.tree.map(_abstract_leaf, target_state)
-        out = self._manager.restore(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract),
-                data=ocp.args.JsonRestore(),
-                meta=ocp.args.JsonRestore(),
-            ),
+        items = dict(
+            state=ocp.args.StandardRestore(abstract),
+            data=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore(),
         )
-        return out.state, dict(out.data or {}), dict(out.meta or {})
+        if target_extra is not None:
+            items["extra"] = ocp.args.StandardRestore(jax.tree.map(_abstract_leaf, target_extra))
+        out = self._manager.restore(int(step), args=ocp.args.Composite(**items))
+        restored = (out.state, dict(out.data or {}), dict(out.meta or {}))
+        return restored + (out.extra,) if target_extra is not None else restored
 
     def read(self, step: int | None = None) -> tuple[dict, dict]:
         """(state, meta) of `step` (default: the latest) as saved, without a target.

@@ -92,6 +92,22 @@ def test_restore_from_abstract_target_and_new_manager(tmp_path):
     assert "versions" in meta
 
 
+def test_extra_item_round_trips_and_is_optional(tmp_path):
+    state = _make_state(seed=4)
+    extra = {"tokens": np.arange(12, dtype=np.int32).reshape(3, 4), "logps": np.full(3, -0.5)}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state)  # steps without the item
+        ckpt.save(2, state, extra=extra)
+    with Checkpointer(tmp_path) as ckpt:
+        restored, _, _, got = ckpt.restore(2, target_state=state, target_extra=extra)
+        assert len(ckpt.restore(1, target_state=state)) == 3
+    _assert_identical(restored, state)
+    assert sorted(got) == ["logps", "tokens"]
+    for k in extra:
+        np.testing.assert_array_equal(np.asarray(got[k]), extra[k])
+        assert np.asarray(got[k]).dtype == extra[k].dtype
+
+
 def test_max_to_keep_and_interval(tmp_path):
     state = _make_state()
     with Checkpointer(tmp_path, max_to_keep=2, save_interval_steps=2) as ckpt:
