@@ -174,7 +174,7 @@ class Checkpointer:
             items["extra"] = ocp.args.StandardRestore(jax.tree.map(_abstract_leaf, target_extra))
         out = self._manager.restore(int(step), args=ocp.args.Composite(**items))
         restored = (out.state, dict(out.data or {}), dict(out.meta or {}))
-        return restored + (out.extra,) if target_extra is not None else restored
+        return (*restored, out.extra) if target_extra is not None else restored
 
     def read(self, step: int | None = None) -> tuple[dict, dict]:
         """(state, meta) of `step` (default: the latest) as saved, without a target.

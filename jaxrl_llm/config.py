@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from jaxrl_llm import losses, sharding, transforms
 from jaxrl_llm import rewards as rewards_lib
-from jaxrl_llm import sharding, transforms
 from jaxrl_llm.data.tasks import SPLITS
 from jaxrl_llm.data.templates import CHAT_TEMPLATE, TEMPLATE_NAMES
 from jaxrl_llm.models import ModelConfig, lora
@@ -93,6 +93,20 @@ def base_config() -> ml_collections.ConfigDict:
             system_prompt="",
             chat_template_kwargs=ml_collections.ConfigDict(),
             eval_prompts=400,
+            # Which prompts a step trains on: "uniform" (the shuffled stream) or "vade"
+            # (VADE: data.vade.candidate_factor x P candidates from the stream, the P with
+            # the most informative posterior draws are sampled; jaxrl_llm.data.vade).
+            sampler="uniform",
+            vade=ml_collections.ConfigDict(
+                dict(
+                    alpha0=1.0,
+                    beta0=1.0,
+                    step_decay=0.99,
+                    visit_decay=0.5,
+                    success_threshold=0.5,
+                    candidate_factor=4,
+                )
+            ),
         )
     )
     c.sampling = ml_collections.ConfigDict(
@@ -122,8 +136,23 @@ def base_config() -> ml_collections.ConfigDict:
             # Recompute old log-probs with a full forward pass instead of using the
             # sampler's (needed when sampling and training numerics differ, e.g. bf16).
             recompute_old_logps=False,
+            # APRIL partial rollouts: sample this many prompt groups beyond P, stop once P
+            # groups are complete, and continue the unfinished rows first in the next step
+            # (needs sampling.engine="continuous"; the loss becomes the decoupled PPO
+            # objective, loss.is_cap). 0 = off.
+            partial_rollouts=0,
+            # KL to the reference in the reward (verl's use_kl_in_reward): score -= beta *
+            # sum_t KL_t before the estimator; target > 0 adapts beta (Ziegler et al.).
+            # 0 = off. kind: the per-token estimator (k1, k2, k3).
+            kl_in_reward=ml_collections.ConfigDict(
+                dict(beta=0.0, target=0.0, horizon=10_000, kind="k1")
+            ),
         )
     )
+    # Asynchronous training: sampling runs ahead of the update by at most max_staleness
+    # policy versions (0 = synchronous). rollout_devices > 0 puts the sampler on that many
+    # devices of its own (the rest train); 0 = the same devices, interleaved.
+    c.rl["async"] = ml_collections.ConfigDict(dict(max_staleness=0, rollout_devices=0))
     # Reward functions: registry names ("correct", "format", "math", ...), import paths
     # "my_pkg.rewards:score" or files "path/to/rewards.py:score" (rewards.resolve_reward).
     # kwargs are keyed by label: the name itself, or the attribute of a path ("score").
@@ -152,6 +181,11 @@ def base_config() -> ml_collections.ConfigDict:
             num_iterations=1,
             num_minibatches=1,
             micro_batch_size=0,
+            # Decoupled PPO (partial / asynchronous rollouts): the cap C of the behaviour
+            # weight pi_prox / pi_behav, 0 = none; "truncate" (min(w, C)) or "mask" (w > C
+            # -> 0, AReaL).
+            is_cap=2.0,
+            is_cap_mode="truncate",
         )
     )
     c.optim = ml_collections.ConfigDict(
@@ -246,6 +280,7 @@ def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
     d = c.loss.to_dict()
     d["dual_clip"] = d["dual_clip"] or None
     d["max_len"] = d["max_len"] or None
+    d["is_cap"] = d["is_cap"] or None
     d["temperature"] = c.sampling.temperature if c.sampling.temperature > 0 else 1.0
     try:
         return LossConfig(**d)
@@ -369,19 +404,64 @@ def example_rollouts(c: ml_collections.ConfigDict) -> Rollouts:
         jnp.zeros((p, g, len(c.rewards.names)), jnp.float32),
         token_mask=jnp.ones((p, g, t), bool),
         entropy=jnp.zeros((p, g, t), jnp.float32),
+        kl=jnp.zeros((p, g, t), jnp.float32),
         lengths=jnp.ones((p, g), jnp.int32),
         truncated=jnp.zeros((p, g), bool),
     )
 
 
+def chain(c: ml_collections.ConfigDict) -> transforms.RolloutTransform:
+    """The advantage transform chain: rl.transforms, after `kl_in_reward` when
+    rl.kl_in_reward.beta > 0 (the penalty must reach the estimator's scores)."""
+    spec = [(name, dict(kw)) for name, kw in c.rl.transforms]
+    k = c.rl.kl_in_reward
+    if k.beta:
+        kl = dict(beta=k.beta, target=k.target or None, horizon=k.horizon)
+        spec = [("kl_in_reward", kl), *spec]
+    return transforms.from_spec(spec)
+
+
 def _check_chain_shapes(c: ml_collections.ConfigDict) -> None:
     """Traces the transform chain on abstract inputs (no compilation) to catch shape errors."""
-    chain = transforms.from_spec([(name, dict(kw)) for name, kw in c.rl.transforms])
+    chain_ = chain(c)
     ex = example_rollouts(c)
     try:
-        jax.eval_shape(chain.apply, ex, chain.init(ex))
+        jax.eval_shape(chain_.apply, ex, chain_.init(ex))
     except (TypeError, ValueError) as e:
         _fail("rl.transforms", str(e))
+
+
+def _validate_off_policy(c: ml_collections.ConfigDict) -> None:
+    """rl.partial_rollouts, rl.async, rl.kl_in_reward and data.sampler."""
+    rl = c.rl
+    if rl.partial_rollouts < 0:
+        _fail("rl.partial_rollouts", f"expected >= 0, got {rl.partial_rollouts}")
+    if rl.partial_rollouts:
+        if c.sampling.engine != "continuous":
+            _fail("rl.partial_rollouts", "needs sampling.engine='continuous'")
+        if rl.dynamic_sampling_rounds:
+            _fail("rl.partial_rollouts", "cannot be combined with rl.dynamic_sampling_rounds")
+    a = rl["async"]
+    if a.max_staleness < 0:
+        _fail("rl.async.max_staleness", f"expected >= 0, got {a.max_staleness}")
+    if a.rollout_devices < 0:
+        _fail("rl.async.rollout_devices", f"expected >= 0, got {a.rollout_devices}")
+    k = rl.kl_in_reward
+    if k.beta < 0:
+        _fail("rl.kl_in_reward.beta", f"expected >= 0, got {k.beta}")
+    if k.target < 0 or k.horizon <= 0:
+        _fail("rl.kl_in_reward", f"expected target >= 0 and horizon > 0, got {k.to_dict()}")
+    if k.kind not in losses.KL_KINDS:
+        _fail("rl.kl_in_reward.kind", f"unknown {k.kind!r}; known: {', '.join(losses.KL_KINDS)}")
+    if c.data.sampler not in ("uniform", "vade"):
+        _fail("data.sampler", f"unknown sampler {c.data.sampler!r}; known: uniform, vade")
+    if c.data.sampler == "vade":
+        from jaxrl_llm.data import vade
+
+        try:
+            vade.VadeConfig(**c.data.vade.to_dict())
+        except (TypeError, ValueError) as e:
+            _fail("data.vade", str(e))
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
@@ -412,6 +492,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
                 "rl.transforms", f"keep_max_variance_rollouts k={kwargs['k']} > G={rl.group_size}"
             )
     loss.micro_batches(rl.prompts_per_step * rl.group_size)
+    _validate_off_policy(c)
     if rl.dynamic_sampling_rounds < 0:
         _fail("rl.dynamic_sampling_rounds", f"expected >= 0, got {rl.dynamic_sampling_rounds}")
     if s.max_new_tokens < 1:

@@ -30,8 +30,8 @@ import optax
 from flax import struct
 from jax.experimental import multihost_utils
 
+from jaxrl_llm import losses, sharding
 from jaxrl_llm import rewards as rewards_lib
-from jaxrl_llm import sharding
 from jaxrl_llm.engine import make_continuous_generate_fn
 from jaxrl_llm.models import ModelConfig, init_params, lora, param_logical_axes
 from jaxrl_llm.sampler import Rollout, SamplingConfig, make_generate_fn
@@ -127,7 +127,9 @@ def trained_groups(
     entropy = None
     if "entropy" in chain.needs:
         entropy = jnp.zeros_like(scored.batch.loss_weights)
-    _, ro, _ = apply_chain(chain, group_size, scored, transform_state, entropy)
+    # KL in the reward is left out too: the criterion is about the verifier's rewards.
+    kl = jnp.zeros_like(scored.batch.loss_weights) if "kl" in chain.needs else None
+    _, ro, _ = apply_chain(chain, group_size, scored, transform_state, entropy, kl)
     return jnp.any((ro.sample_weight > 0) & (ro.advantages != 0), axis=-1)
 
 
@@ -256,9 +258,10 @@ class Stages:
     to_batch: Callable  # (prompts, mask, rollout) -> TrainBatch
     policy_pass: Callable  # (params, batch) -> (logps, entropy) [N, T]
     ref_pass: Callable  # (reference params, batch) -> (logps, entropy) [N, T]
-    chain: Callable  # (scored, transform_state, entropy) -> (batch, rollouts, state)
+    chain: Callable  # (scored, transform_state, entropy, kl) -> (batch, rollouts, state)
     trained_groups: Callable  # (scored, transform_state) -> bool[P]
     update: Callable  # (state, batch, frozen) -> (state, metrics), state donated
+    token_kl: Callable  # (logps, ref_logps, weights) [N, T] -> per-token KL, 0 off the mask
     lora: bool = False  # whether the policy carries LoRA adapters
 
     def split(self, params) -> tuple[Any, Any]:
@@ -299,6 +302,7 @@ def build_stages(
     lora_targets: Sequence[str] = (),
     engine: str = "static",
     slots: int = 0,
+    kl_kind: str = "k1",
 ) -> Stages:
     """Jits every stage of the run over `mesh` (see the module docstring).
 
@@ -404,7 +408,7 @@ def build_stages(
     # Rollouts [P, G, ...] and group flags are small: replicated, whatever P is.
     chain_fn = jit(
         functools.partial(apply_chain, chain, group_size),
-        in_shardings=(rows, rep, rows),
+        in_shardings=(rows, rep, rows, rows),
         out_shardings=(rows, rep, rep),
     )
     groups_fn = jit(
@@ -437,5 +441,10 @@ def build_stages(
         chain=chain_fn,
         trained_groups=groups_fn,
         update=update,
+        token_kl=jit(
+            lambda lp, ref, w: losses.kl_penalty(lp, ref, kl_kind) * (w > 0),
+            in_shardings=(rows, rows, rows),
+            out_shardings=rows,
+        ),
         lora=use_lora,
     )

@@ -97,7 +97,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     pretrained = config_lib.pretrained_dir(c)
     tokenizer = config_lib.tokenizer(c)
     p, g = c.rl.prompts_per_step, c.rl.group_size
-    chain = transforms.from_spec([(name, dict(kwargs)) for name, kwargs in c.rl.transforms])
+    chain = config_lib.chain(c)
     # Process 0 builds a missing TFDS dataset first: concurrent builds of one directory race.
     if jax.process_index() == 0:
         source = _source(c, "data.source", c.data.source, c.data.train_split)
@@ -178,6 +178,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
         lora_targets=tuple(c.lora.targets) if c.lora.rank else (),
         engine=c.sampling.engine,
         slots=c.sampling.slots,
+        kl_kind=c.rl.kl_in_reward.kind,
     )
     return Run(
         config=c,
@@ -299,16 +300,22 @@ def prepare(run: Run, state: TrainState, frozen, ref_params, scored: stages.Scor
     None (no KL term).
     """
     st, c = run.stages, run.config
-    batch, entropy = scored.batch, None
-    if "entropy" in run.chain.needs or c.rl.recompute_old_logps:
+    batch, entropy, kl = scored.batch, None, None
+    # Off-policy batches (behaviour log-probs from older policies: partial or asynchronous
+    # rollouts) get the proximal policy's log-probs as old_logps (decoupled PPO).
+    proximal = batch.behav_logps is not None
+    if "entropy" in run.chain.needs or c.rl.recompute_old_logps or proximal:
         logps, entropy = st.policy_pass(st.policy(state, frozen), batch)
-        if c.rl.recompute_old_logps:
+        if c.rl.recompute_old_logps or proximal:
             batch = batch.replace(old_logps=logps * batch.loss_weights)
     if ref_params is not None:  # the frozen reference policy
         ref_logps, _ = st.ref_pass(ref_params, batch)
         batch = batch.replace(ref_logps=ref_logps * batch.loss_weights)
+        if "kl" in run.chain.needs:  # KL in the reward: of the sampling policy, as verl
+            sampled = batch.behav_logps if proximal else batch.old_logps
+            kl = st.token_kl(sampled, batch.ref_logps, batch.loss_weights)
     batch, ro, transform_state = st.chain(
-        scored.replace(batch=batch), state.transform_state, entropy
+        scored.replace(batch=batch), state.transform_state, entropy, kl
     )
     return batch, ro, state.replace(transform_state=transform_state)
 
@@ -427,7 +434,7 @@ def _train(run: Run, workdir: str) -> dict:
     # The reference is the initial policy. Under LoRA that is the frozen base itself (no
     # copy); otherwise it is created again (its own buffers: the update donates the
     # policy's).
-    if not c.loss.beta:
+    if not (c.loss.beta or c.rl.kl_in_reward.beta):
         ref_params = None
     else:
         ref_params = frozen if st.lora else st.init_params()
@@ -464,6 +471,10 @@ def _train(run: Run, workdir: str) -> dict:
             record = {f"train/{k}": float(v) for k, v in train_metrics.items()}
             record |= rollout_metrics(run, scored, ro) | info | timer.results()
             record["time/step_s"] = elapsed
+            if c.rl.kl_in_reward.beta:  # the chain's first transform (config_lib.chain)
+                kl_state = stages.to_host_tree(state.transform_state[0])
+                record["kl_in_reward/beta"] = float(kl_state.beta)
+                record["kl_in_reward/kl"] = float(kl_state.kl)
             lengths = np.asarray(ro.lengths)
             record["throughput/tokens_per_s"] = float(lengths.sum() / elapsed)
             done = step + 1
