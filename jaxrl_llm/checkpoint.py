@@ -190,6 +190,17 @@ class Checkpointer:
         )
         return dict(out.state), dict(out.meta or {})
 
+    def read_extra(self, step: int | None = None) -> Any:
+        """The `extra` item of `step` (default: the latest) as saved (numpy arrays), or None
+        when that step has none."""
+        step = self._existing_step(step)
+        if not os.path.isdir(os.path.join(self.directory, str(step), "extra")):
+            return None
+        out = self._manager.restore(
+            int(step), args=ocp.args.Composite(extra=ocp.args.StandardRestore())
+        )
+        return out.extra
+
     def _existing_step(self, step: int | None) -> int:
         """`step`, or the latest one when None; FileNotFoundError if there is none."""
         if step is None:

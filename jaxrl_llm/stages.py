@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 
 from jaxrl_llm import losses, sharding
 from jaxrl_llm import rewards as rewards_lib
-from jaxrl_llm.engine import make_continuous_generate_fn
+from jaxrl_llm.engine import make_continuous_generate_fn, make_partial_generate_fn
 from jaxrl_llm.models import ModelConfig, init_params, lora, param_logical_axes
 from jaxrl_llm.sampler import Rollout, SamplingConfig, make_generate_fn
 from jaxrl_llm.train_step import (
@@ -262,6 +262,9 @@ class Stages:
     trained_groups: Callable  # (scored, transform_state) -> bool[P]
     update: Callable  # (state, batch, frozen) -> (state, metrics), state donated
     token_kl: Callable  # (logps, ref_logps, weights) [N, T] -> per-token KL, 0 off the mask
+    # (params, prompts, mask, key, engine.Prefix) -> (Rollout, done, EngineStats): the
+    # partial-rollout sampler, or None when partial rollouts are off.
+    partial_generate: Callable | None = None
     lora: bool = False  # whether the policy carries LoRA adapters
 
     def split(self, params) -> tuple[Any, Any]:
@@ -303,6 +306,7 @@ def build_stages(
     engine: str = "static",
     slots: int = 0,
     kl_kind: str = "k1",
+    partial_stop_groups: int = 0,
 ) -> Stages:
     """Jits every stage of the run over `mesh` (see the module docstring).
 
@@ -317,7 +321,9 @@ def build_stages(
 
     `engine="continuous"` makes the training sampler (`generate`) the continuous-batching
     engine (`jaxrl_llm.engine`) with `slots` decode slots (0 = all rows at once); greedy
-    and evaluation sampling stay static.
+    and evaluation sampling stay static. `partial_stop_groups = P > 0` also builds
+    `partial_generate` (`engine.make_partial_generate_fn`, stopping once P groups of
+    `group_size` are complete).
     """
     rules = tuple((name, axes) for name, axes in rules)
     rows = sharding.batch_sharding(mesh, rules, 1)  # P(batch axes): any rank >= 1
@@ -394,6 +400,26 @@ def build_stages(
 
         return jit(generate, in_shardings=(param_sh, rows, rows, rep), out_shardings=rows)
 
+    def partial_sampler():
+        def generate(params, prompts, mask, key_data, prefix):
+            params = lora.merge(params, model)
+            n, lp = prompts.shape
+            fn = make_partial_generate_fn(
+                model,
+                sampling,
+                slots=slots or n,
+                prompt_len=lp,
+                group_size=group_size,
+                stop_groups=partial_stop_groups,
+            )
+            return fn(params, prompts, mask, jax.random.wrap_key_data(key_data), prefix)
+
+        return jit(
+            generate,
+            in_shardings=(param_sh, rows, rows, rep, rows),
+            out_shardings=(rows, rows, rep),
+        )
+
     temperature = loss.temperature
 
     def scorer(shardings):
@@ -446,5 +472,6 @@ def build_stages(
             in_shardings=(rows, rows, rows),
             out_shardings=rows,
         ),
+        partial_generate=partial_sampler() if partial_stop_groups else None,
         lora=use_lora,
     )

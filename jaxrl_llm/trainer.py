@@ -27,7 +27,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import evaluation, metrics, stages, transforms
+from jaxrl_llm import evaluation, metrics, partial, stages, transforms
 from jaxrl_llm import rewards as rewards_lib
 from jaxrl_llm.checkpoint import Checkpointer, load_params_safetensors
 from jaxrl_llm.data import HFTokenizer, PromptBatch, Tokenizer, make_pipeline, make_source
@@ -179,6 +179,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
         engine=c.sampling.engine,
         slots=c.sampling.slots,
         kl_kind=c.rl.kl_in_reward.kind,
+        partial_stop_groups=p if c.rl.partial_rollouts else 0,
     )
     return Run(
         config=c,
@@ -441,9 +442,12 @@ def _train(run: Run, workdir: str) -> dict:
     state = st.init_state(trained, run.chain.init(config_lib.example_rollouts(c)))
     data_iter = iter(run.pipeline)
     ckpt = Checkpointer(f"{workdir}/checkpoints")
-    start = 0
+    start, pool = 0, None  # pool: partial rollouts waiting for the next step
     if ckpt.latest_step() is not None:  # restored onto this run's mesh (Orbax reshards)
         state, data_state, _ = ckpt.restore(target_state=state)
+        texts = data_state.pop(partial.DATA_KEY, None)
+        if c.rl.partial_rollouts and texts is not None:
+            pool = partial.Pool.restore(ckpt.read_extra(), texts)
         data_iter.set_state(data_state)
         start = int(ckpt.latest_step())
         if main:
@@ -461,7 +465,10 @@ def _train(run: Run, workdir: str) -> dict:
             timer = metrics.StageTimer()
             t0 = time.perf_counter()
             policy = st.policy(state, frozen)
-            scored, info = collect(run, policy, data_iter, state, step, timer)
+            if c.rl.partial_rollouts:
+                scored, pool, info = partial.collect(run, policy, data_iter, pool, step, timer)
+            else:
+                scored, info = collect(run, policy, data_iter, state, step, timer)
             with timer("prepare") as stage:
                 batch, ro, state = stage.block(prepare(run, state, frozen, ref_params, scored))
             with timer("update"):
@@ -493,7 +500,12 @@ def _train(run: Run, workdir: str) -> dict:
             every = c.train.checkpoint_every
             stopped = stop.requested(done) and not final
             if (every and done % every == 0) or final or stopped:
-                ckpt.save(done, state, data_iter.get_state(), {"config": c.to_dict()}, force=True)
+                data_state, extra = data_iter.get_state(), None
+                if pool is not None:
+                    data_state = {**data_state, partial.DATA_KEY: pool.texts()}
+                    extra = pool.arrays()
+                meta = {"config": c.to_dict()}
+                ckpt.save(done, state, data_state, meta, extra=extra, force=True)
             if stopped:
                 break
     progress.close()

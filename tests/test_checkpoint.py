@@ -101,6 +101,9 @@ def test_extra_item_round_trips_and_is_optional(tmp_path):
     with Checkpointer(tmp_path) as ckpt:
         restored, _, _, got = ckpt.restore(2, target_state=state, target_extra=extra)
         assert len(ckpt.restore(1, target_state=state)) == 3
+        assert ckpt.read_extra(1) is None
+        read = ckpt.read_extra()
+        np.testing.assert_array_equal(read["tokens"], extra["tokens"])
     _assert_identical(restored, state)
     assert sorted(got) == ["logps", "tokens"]
     for k in extra:
