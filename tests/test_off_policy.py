@@ -44,11 +44,11 @@ def test_partial_rollouts_config_errors_name_the_key(data_dir):
 
     c = partial_config(data_dir, 1)
     c.sampling.engine = "static"
-    with pytest.raises(ValueError, match="config.rl.partial_rollouts: needs sampling.engine"):
+    with pytest.raises(ValueError, match=r"config\.rl\.partial_rollouts: needs sampling\.engine"):
         config_lib.validate(c)
     c = partial_config(data_dir, 1)
     c.rl.dynamic_sampling_rounds = 1
-    with pytest.raises(ValueError, match="config.rl.partial_rollouts: cannot be combined"):
+    with pytest.raises(ValueError, match=r"config\.rl\.partial_rollouts: cannot be combined"):
         config_lib.validate(c)
 
 
