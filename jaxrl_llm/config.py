@@ -443,6 +443,8 @@ def _validate_off_policy(c: ml_collections.ConfigDict) -> None:
             _fail("rl.partial_rollouts", "cannot be combined with rl.dynamic_sampling_rounds")
         if jax.process_count() > 1:
             _fail("rl.partial_rollouts", "runs on one process for now")
+        if c.data.sampler != "uniform":
+            _fail("rl.partial_rollouts", "draws its prompts uniformly; set data.sampler='uniform'")
     a = rl["async"]
     if a.max_staleness < 0:
         _fail("rl.async.max_staleness", f"expected >= 0, got {a.max_staleness}")

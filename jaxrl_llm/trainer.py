@@ -87,6 +87,7 @@ class Run:
     eval_rows: int  # real eval prompts (before padding)
     P: int
     G: int
+    vade: Any = None  # data.vade.VadeSampler with data.sampler="vade", else None
 
 
 def setup(config: ml_collections.ConfigDict) -> Run:
@@ -107,10 +108,16 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     chat = dict(
         system_prompt=c.data.system_prompt, chat_kwargs=dict(c.data.chat_template_kwargs) or None
     )
+    vade_sampler = None
+    if c.data.sampler == "vade":  # candidates from the stream; VADE keeps P of them
+        from jaxrl_llm.data import vade
+
+        vade_cfg = vade.VadeConfig(**c.data.vade.to_dict())
+        vade_sampler = vade.VadeSampler(len(source), vade_cfg, g, seed=c.seed)
     pipeline = make_pipeline(
         source,
         tokenizer,
-        batch_size=p,
+        batch_size=vade_sampler.cfg.num_candidates(p) if vade_sampler else p,
         prompt_len=c.data.prompt_len,
         seed=c.seed,
         template=c.data.template,
@@ -194,7 +201,31 @@ def setup(config: ml_collections.ConfigDict) -> Run:
         eval_rows=n_eval,
         P=p,
         G=g,
+        vade=vade_sampler,
     )
+
+
+def _take_rows(batch: PromptBatch, idx) -> PromptBatch:
+    """The batch's rows `idx` (a host int array), in that order."""
+    idx = np.asarray(idx)
+    pick = lambda xs: tuple(xs[i] for i in idx) if xs else xs
+    return batch.replace(
+        tokens=np.asarray(batch.tokens)[idx],
+        mask=np.asarray(batch.mask)[idx],
+        lengths=np.asarray(batch.lengths)[idx],
+        prompts=pick(batch.prompts),
+        answers=pick(batch.answers),
+        metadata=pick(batch.metadata),
+        ids=pick(batch.ids),
+    )
+
+
+def next_prompts(run: Run, data_iter, step: int) -> PromptBatch:
+    """The next P prompts: the stream's, or VADE's choice among its candidates."""
+    batch = next(data_iter)
+    if run.vade is None:
+        return batch
+    return _take_rows(batch, run.vade.select(np.asarray(batch.ids), run.P, step))
 
 
 def _pad_rows(batch: PromptBatch, n: int) -> PromptBatch:
@@ -224,8 +255,9 @@ def _repeated_rows(st: stages.Stages, batch: PromptBatch, repeat: int):
     return stages.to_global(tokens, st.rows), stages.to_global(mask, st.rows), answers, meta
 
 
-def _sample_round(run: Run, params, batch: PromptBatch, key, timer):
-    """G completions of each of the batch's P prompts, scored on the rows' own processes.
+def _sample_round(run: Run, params, batch: PromptBatch, key, timer, step: int = 0):
+    """G completions of each of the batch's P prompts, scored on the rows' own processes;
+    with VADE, the prompts' posteriors are updated from the first reward (data.vade).
 
     Returns (Scored, {metric: count}): the reward failures (errors, non-finite values,
     timeouts) per reward, summed over processes."""
@@ -254,6 +286,9 @@ def _sample_round(run: Run, params, batch: PromptBatch, key, timer):
         counts = np.asarray([failures[k] for k in names], np.float64)
         summed = multihost_utils.process_allgather(counts).sum(0)
         failures = dict(zip(names, summed.tolist()))
+    if run.vade is not None:
+        r = stages.to_host(scored.rewards).reshape(batch.batch_size, run.G, -1)[..., 0]
+        run.vade.update(np.asarray(batch.ids), np.nan_to_num(r), step, valid=~np.isnan(r))
     return scored, failures
 
 
@@ -262,7 +297,7 @@ def collect(run: Run, params, data_iter, state: TrainState, step: int, timer):
     groups the chain would not train on (`stages.trained_groups`)."""
     key = jax.random.fold_in(jax.random.key(run.config.seed), step)
     scored, failures = _sample_round(
-        run, params, next(data_iter), jax.random.fold_in(key, 0), timer
+        run, params, next_prompts(run, data_iter, step), jax.random.fold_in(key, 0), timer, step
     )
     rounds = run.config.rl.dynamic_sampling_rounds
     if not rounds:
@@ -273,7 +308,12 @@ def collect(run: Run, params, data_iter, state: TrainState, step: int, timer):
     while sum(int(f.sum()) for f in flags) < run.P and used < rounds:
         used += 1
         extra, more = _sample_round(
-            run, params, next(data_iter), jax.random.fold_in(key, used), timer
+            run,
+            params,
+            next_prompts(run, data_iter, step),
+            jax.random.fold_in(key, used),
+            timer,
+            step,
         )
         failures = {k: failures.get(k, 0) + v for k, v in more.items()}
         parts.append(extra)
@@ -446,8 +486,11 @@ def _train(run: Run, workdir: str) -> dict:
     if ckpt.latest_step() is not None:  # restored onto this run's mesh (Orbax reshards)
         state, data_state, _ = ckpt.restore(target_state=state)
         texts = data_state.pop(partial.DATA_KEY, None)
+        carried = ckpt.read_extra() or {}
         if c.rl.partial_rollouts and texts is not None:
-            pool = partial.Pool.restore(ckpt.read_extra(), texts)
+            pool = partial.Pool.restore(carried["pool"], texts)
+        if run.vade is not None and "vade" in carried:
+            run.vade.load_state_dict(carried["vade"])
         data_iter.set_state(data_state)
         start = int(ckpt.latest_step())
         if main:
@@ -478,6 +521,8 @@ def _train(run: Run, workdir: str) -> dict:
             record = {f"train/{k}": float(v) for k, v in train_metrics.items()}
             record |= rollout_metrics(run, scored, ro) | info | timer.results()
             record["time/step_s"] = elapsed
+            if run.vade is not None:
+                record |= run.vade.metrics()
             if c.rl.kl_in_reward.beta:  # the chain's first transform (config_lib.chain)
                 kl_state = stages.to_host_tree(state.transform_state[0])
                 record["kl_in_reward/beta"] = float(kl_state.beta)
@@ -500,12 +545,14 @@ def _train(run: Run, workdir: str) -> dict:
             every = c.train.checkpoint_every
             stopped = stop.requested(done) and not final
             if (every and done % every == 0) or final or stopped:
-                data_state, extra = data_iter.get_state(), None
+                data_state, extra = data_iter.get_state(), {}
                 if pool is not None:
                     data_state = {**data_state, partial.DATA_KEY: pool.texts()}
-                    extra = pool.arrays()
+                    extra["pool"] = pool.arrays()
+                if run.vade is not None:
+                    extra["vade"] = run.vade.state_dict()
                 meta = {"config": c.to_dict()}
-                ckpt.save(done, state, data_state, meta, extra=extra, force=True)
+                ckpt.save(done, state, data_state, meta, extra=extra or None, force=True)
             if stopped:
                 break
     progress.close()

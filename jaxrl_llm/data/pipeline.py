@@ -51,6 +51,8 @@ class PromptBatch:
     prompts: tuple[str, ...] = struct.field(pytree_node=False)  # [B] prompt text, untemplated
     answers: tuple[str, ...] = struct.field(pytree_node=False)  # [B] reference answers
     metadata: tuple[FrozenDict, ...] = struct.field(pytree_node=False)  # [B] task fields
+    # [B] each prompt's record index in its source: a stable prompt id (VADE's statistics)
+    ids: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
     @property
     def batch_size(self) -> int:
@@ -439,6 +441,7 @@ def _batcher(pad_id: int, prompt_len: int) -> Callable[[Sequence[Record]], Promp
             prompts=tuple(r["prompt"] for r in records),
             answers=tuple(r["answer"] for r in records),
             metadata=tuple(FrozenDict(_plain(dict(r["metadata"]))) for r in records),
+            ids=tuple(int(r["_id"]) for r in records),
         )
 
     return batch
@@ -543,7 +546,8 @@ def make_pipeline(
             f"{len(source)} records give {usable // shard_count} per shard, fewer than "
             f"batch_size={batch_size}"
         )
-    ds = grain.MapDataset.source(source)[:usable][shard_index::shard_count]
+    ds = grain.MapDataset.source(source).map_with_index(lambda i, r: {**r, "_id": i})
+    ds = ds[:usable][shard_index::shard_count]
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs)
