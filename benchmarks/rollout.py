@@ -23,6 +23,17 @@ steps).
 The continuous engine serves requests first come, first served, not knowing their
 lengths, so its steps are at least (admission step + length) of the longest request:
 with a heavy tail and few requests per slot, that tail bounds its utilization.
+
+A third case, "rl_steps", times --rl-steps RL steps of P x G = --rollouts rollouts
+(groups of --group-size, fresh heavy-tailed lengths for every prompt):
+  * "continuous": every step serves its P x G requests to the end;
+  * "partial" (APRIL, `jaxrl_llm.partial`): every step requests --extra-groups more
+    groups, stops once P groups are complete, and carries the rest (resumed first, from
+    their tokens, by the next step), as the trainer does with rl.partial_rollouts.
+Its lines report the mean wall time per step (after a compile step) and, for "partial",
+the staleness of the trained tokens (steps since each was sampled: mean, max, and the
+fraction sampled in an earlier step). Parameters do not change between steps here: the
+line measures the rollout system, not learning.
 """
 
 from __future__ import annotations
@@ -36,7 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._common import add_model_args, emit, model_from_args, time_call
-from jaxrl_llm.engine import make_continuous_generate_fn
+from jaxrl_llm import partial
+from jaxrl_llm.data import PromptBatch
+from jaxrl_llm.engine import make_continuous_generate_fn, make_partial_generate_fn
 from jaxrl_llm.models import init_params
 from jaxrl_llm.sampler import SamplingConfig, make_generate_fn
 
@@ -127,6 +140,105 @@ def run_case(args, config, params, name: str, lengths: np.ndarray) -> list[dict]
     return records
 
 
+def rl_steps_case(args, config, params) -> list[dict]:
+    """Time per RL step with and without partial rollouts (see the module docstring)."""
+    n, g, s, lp = args.rollouts, args.group_size, args.slots, args.prompt_len
+    p = n // g
+    rng = np.random.default_rng(1)
+    pool_lengths = heavy_tail_lengths(4096, args.mean_len, args.max_over_mean, seed=2)
+    t_max = int(pool_lengths.max())
+    sampling = SamplingConfig(max_new_tokens=t_max, temperature=args.temperature)
+
+    def fresh(groups: int) -> partial.Pool:
+        tokens = rng.integers(1, config.vocab_size, (groups, lp)).astype(np.int32)
+        lengths = rng.choice(pool_lengths, (groups, g))  # this prompt's rows' EOS schedule
+        batch = PromptBatch(
+            tokens=tokens,
+            mask=np.ones((groups, lp), bool),
+            lengths=np.full((groups,), lp, np.int32),
+            prompts=("",) * groups,
+            answers=("",) * groups,
+            metadata=tuple({"lengths": row.tolist()} for row in lengths),
+        )
+        return partial.Pool.fresh(batch, g, t_max, pad_id=0)
+
+    records = []
+    for mode in ("continuous", "partial"):
+        extra = args.extra_groups if mode == "partial" else 0
+        fn = jax.jit(
+            make_partial_generate_fn(
+                config,
+                sampling,
+                slots=s,
+                prompt_len=lp,
+                group_size=g,
+                stop_groups=p if mode == "partial" else 0,
+            )
+        )
+        pool, times, lags, maxlag, stale, tokens = None, [], [], 0, [], 0
+        for step in range(args.rl_steps + 1):  # step 0 compiles
+            need = p + extra - (pool.num_groups if pool else 0)
+            if need > 0:
+                pool = fresh(need) if pool is None else pool.concat(fresh(need))
+            work = pool.take(np.arange(p + extra))
+            rest = pool.take(np.arange(p + extra, pool.num_groups))
+            budgets = jnp.asarray([x for m in work.metadata for x in m["lengths"]], jnp.int32)
+            key = jax.random.fold_in(jax.random.key(3), step)
+            t0 = time.perf_counter()
+            rollout, done, _ = fn(
+                params,
+                jnp.asarray(work.prompts),
+                jnp.asarray(work.prompt_mask),
+                key,
+                partial.prefix_of(work, jnp.asarray),
+                budgets,
+            )
+            jax.block_until_ready(rollout)
+            elapsed = time.perf_counter() - t0
+            host = jax.tree.map(
+                np.asarray,
+                dict(
+                    tokens=rollout.tokens,
+                    logps=rollout.logps,
+                    sampling_logps=rollout.sampling_logps,
+                    lengths=rollout.lengths,
+                    eos=~rollout.truncated,
+                    done=done,
+                ),
+            )
+            trained, waiting = partial.settle(work, host, step, p)
+            pool = waiting.concat(rest)
+            if step == 0:
+                continue
+            times.append(elapsed)
+            mask = np.arange(t_max)[None] < trained.lengths[:, None]
+            lag = np.where(mask, step - trained.versions, 0)
+            lags.append(lag.sum() / mask.sum())
+            maxlag = max(maxlag, int(lag.max()))
+            stale.append(((lag > 0) & mask).sum() / mask.sum())
+            tokens += int(mask.sum())
+        records.append(
+            {
+                "benchmark": "rollout",
+                "case": "rl_steps",
+                "engine": mode,
+                "rollouts_per_step": n,
+                "group_size": g,
+                "extra_groups": extra,
+                "slots": s,
+                "rl_steps": args.rl_steps,
+                "step_s": float(np.mean(times)),
+                "trained_tokens_per_s": tokens / float(np.sum(times)),
+                "staleness_mean": float(np.mean(lags)),
+                "staleness_max": maxlag,
+                "stale_token_frac": float(np.mean(stale)),
+                "mean_len": float(pool_lengths.mean()),
+                "max_len": t_max,
+            }
+        )
+    return records
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p)
@@ -138,6 +250,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-over-mean", type=float, default=8.0)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--group-size", type=int, default=8, help="G (rl_steps case)")
+    p.add_argument("--extra-groups", type=int, default=8, help="APRIL over-provisioning")
+    p.add_argument("--rl-steps", type=int, default=4, help="timed RL steps (rl_steps case)")
+    p.add_argument("--cases", default="heavy_tail,equal,rl_steps")
     args = p.parse_args(argv)
     if args.rollouts % args.slots:
         raise ValueError(f"--slots {args.slots} must divide --rollouts {args.rollouts}")
@@ -147,8 +263,13 @@ def main(argv: list[str] | None = None) -> None:
         "heavy_tail": heavy_tail_lengths(args.rollouts, args.mean_len, args.max_over_mean),
         "equal": np.full((args.rollouts,), args.mean_len, np.int32),
     }
+    wanted = args.cases.split(",")
     for name, lengths in cases.items():
-        for record in run_case(args, config, params, name, lengths):
+        if name in wanted:
+            for record in run_case(args, config, params, name, lengths):
+                emit(record)
+    if "rl_steps" in wanted:
+        for record in rl_steps_case(args, config, params):
             emit(record)
 
 

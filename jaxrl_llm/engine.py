@@ -373,8 +373,10 @@ def make_partial_generate_fn(
     stops, and the unfinished rows are continued by a later call (under newer parameters)
     from the tokens they have.
 
-    Returns f(params, prompts [R, Lp], prompt_mask [R, Lp], key, prefix: Prefix) ->
-    (Rollout, done bool[R], EngineStats). R must be a multiple of `group_size`.
+    Returns f(params, prompts [R, Lp], prompt_mask [R, Lp], key, prefix: Prefix,
+    max_lengths=None) -> (Rollout, done bool[R], EngineStats). R must be a multiple of
+    `group_size`; `max_lengths` [R] caps each request's total completion length (prefix
+    included), as in `make_continuous_generate_fn`.
 
     - Requests are served in index order (put the oldest carried rows first), skipping
       those with `prefix.done`; a request with `prefix.lengths[i] = k` is prefilled with
@@ -402,7 +404,7 @@ def make_partial_generate_fn(
         )
     sampling.check(config)
 
-    def generate_fn(params, prompts, prompt_mask, key, prefix: Prefix):
+    def generate_fn(params, prompts, prompt_mask, key, prefix: Prefix, max_lengths=None):
         if prompts.ndim != 2 or prompts.shape != prompt_mask.shape:
             raise ValueError(
                 f"partial generate: prompts {prompts.shape} and prompt_mask "
@@ -427,7 +429,7 @@ def make_partial_generate_fn(
             prompts,
             prompt_mask,
             key,
-            None,
+            max_lengths,
             prefix,
             config=config,
             slots=min(slots, r),

@@ -148,6 +148,47 @@ def _rollout(pool: Pool, rows: jax.sharding.NamedSharding) -> Rollout:
     )
 
 
+def prefix_of(pool: Pool, place) -> Prefix:
+    """The engine's `Prefix` of the pool's rows, each array through `place`."""
+    return Prefix(
+        tokens=place(pool.tokens),
+        logps=place(pool.logps),
+        sampling_logps=place(pool.sampling_logps),
+        lengths=place(pool.lengths),
+        done=place(pool.done),
+        eos=place(pool.eos),
+    )
+
+
+def settle(work: Pool, host: dict, step: int, num: int) -> tuple[Pool, Pool]:
+    """After a partial-engine call on `work`: (the first `num` complete groups, the others).
+
+    `host` holds the call's outputs as numpy arrays over work's rows: tokens, logps,
+    sampling_logps, lengths, eos (~truncated) and done. Tokens sampled by this call get
+    version `step`. Groups are taken oldest first (work's order), and the others keep it.
+    """
+    t = work.tokens.shape[1]
+    cols = np.arange(t)[None]
+    new = (cols >= work.lengths[:, None]) & (cols < host["lengths"][:, None])
+    done = np.asarray(host["done"], bool)
+    sampled = dataclasses.replace(
+        work,
+        tokens=np.asarray(host["tokens"], np.int32),
+        logps=np.asarray(host["logps"], np.float32),
+        sampling_logps=np.asarray(host["sampling_logps"], np.float32),
+        versions=np.where(new, step, work.versions).astype(np.int32),
+        lengths=np.asarray(host["lengths"], np.int32),
+        done=done,
+        eos=np.asarray(host["eos"], bool) & done,
+    )
+    m = work.num_groups
+    complete = done.reshape(m, work.group_size).all(-1)
+    trained = np.flatnonzero(complete)[:num]
+    if len(trained) != num:  # the engine only stops early once `num` groups are complete
+        raise RuntimeError(f"partial rollouts: {len(trained)} complete groups, expected {num}")
+    return sampled.take(trained), sampled.take(np.setdiff1d(np.arange(m), trained))
+
+
 def collect(run, params, data_iter, pool: Pool | None, step: int, timer):
     """One step of partial rollouts: (Scored of P complete groups, the new pool, metrics).
 
@@ -165,14 +206,7 @@ def collect(run, params, data_iter, pool: Pool | None, step: int, timer):
     work = pool.take(np.arange(m))
     rest = pool.take(np.arange(m, pool.num_groups))
     local = lambda x: stages.to_global(x[stages.process_rows(x.shape[0])], st.rows)
-    prefix = Prefix(
-        tokens=local(work.tokens),
-        logps=local(work.logps),
-        sampling_logps=local(work.sampling_logps),
-        lengths=local(work.lengths),
-        done=local(work.done),
-        eos=local(work.eos),
-    )
+    prefix = prefix_of(work, local)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), step), 0)
     with timer("sample"):
         rollout, done, stats = jax.block_until_ready(
@@ -194,26 +228,8 @@ def collect(run, params, data_iter, pool: Pool | None, step: int, timer):
             done=done,
         )
     )
-    new = (np.arange(t)[None] >= work.lengths[:, None]) & (
-        np.arange(t)[None] < host["lengths"][:, None]
-    )
-    sampled = dataclasses.replace(
-        work,
-        tokens=host["tokens"].astype(np.int32),
-        logps=host["logps"].astype(np.float32),
-        sampling_logps=host["sampling_logps"].astype(np.float32),
-        versions=np.where(new, step, work.versions).astype(np.int32),
-        lengths=host["lengths"].astype(np.int32),
-        done=host["done"].astype(bool),
-        eos=host["eos"].astype(bool) & host["done"].astype(bool),
-    )
-    complete = sampled.done.reshape(m, g).all(-1)
-    trained = np.flatnonzero(complete)[:p]  # oldest first: carried groups lead the queue
-    if len(trained) != p:  # the engine only stops early once P groups are complete
-        raise RuntimeError(f"partial rollouts: {len(trained)} complete groups, expected {p}")
-    waiting = np.setdiff1d(np.arange(m), trained)  # in order
-    batch_pool = sampled.take(trained)
-    next_pool = sampled.take(waiting).concat(rest)
+    batch_pool, waiting = settle(work, host, step, p)
+    next_pool = waiting.concat(rest)
 
     # Score the trained groups' rows on the processes that hold them.
     n = p * g
@@ -243,8 +259,8 @@ def collect(run, params, data_iter, pool: Pool | None, step: int, timer):
         "staleness/max": float(lag["max"]),
         "partial/stale_tokens": float(((batch_pool.versions < step) & mask).sum() / mask.sum()),
         "partial/resumed_rows": float(started.sum()),
-        "partial/carried_groups": float(len(waiting)),
-        "partial/carried_unfinished_rows": float((~sampled.take(waiting).done).sum()),
+        "partial/carried_groups": float(waiting.num_groups),
+        "partial/carried_unfinished_rows": float((~waiting.done).sum()),
         "sample/decode_steps": float(stats.decode_steps),
         "sample/new_tokens": float(stats.useful_tokens),
         "sample/slot_utilization": float(stats.slot_utilization),

@@ -163,3 +163,20 @@ def test_memory_benchmark_lora_state_is_a_fraction_of_full(capsys):
     assert lora["frozen_bytes"] == 2 * full["params"]
     for rec in (full, lora):
         assert rec["update_peak_bytes"] > 0 and rec["sample_peak_bytes"] > 0
+
+
+def test_rollout_benchmark_rl_steps_with_and_without_partial_rollouts(capsys):
+    from benchmarks import rollout
+
+    rollout.main(
+        "--d-model 16 --ffn 32 --layers 1 --heads 2 --kv-heads 1 --vocab 32 --rollouts 16 "
+        "--slots 8 --group-size 4 --extra-groups 2 --rl-steps 2 --mean-len 3 "
+        "--cases rl_steps".split()
+    )
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [r["engine"] for r in lines] == ["continuous", "partial"]
+    full, part = lines
+    assert full["staleness_mean"] == full["stale_token_frac"] == 0.0
+    assert full["extra_groups"] == 0 and part["extra_groups"] == 2
+    assert 0 <= part["staleness_mean"] <= part["staleness_max"] <= 2
+    assert part["step_s"] > 0 and full["trained_tokens_per_s"] > 0
