@@ -450,6 +450,16 @@ def _validate_off_policy(c: ml_collections.ConfigDict) -> None:
         _fail("rl.async.max_staleness", f"expected >= 0, got {a.max_staleness}")
     if a.rollout_devices < 0:
         _fail("rl.async.rollout_devices", f"expected >= 0, got {a.rollout_devices}")
+    if a.rollout_devices and a.rollout_devices >= jax.device_count():
+        _fail(
+            "rl.async.rollout_devices",
+            f"{a.rollout_devices} leaves none of the {jax.device_count()} devices to train",
+        )
+    if a.max_staleness:
+        if rl.partial_rollouts:
+            _fail("rl.async.max_staleness", "cannot be combined with rl.partial_rollouts yet")
+        if jax.process_count() > 1:
+            _fail("rl.async.max_staleness", "runs on one process for now")
     k = rl.kl_in_reward
     if k.beta < 0:
         _fail("rl.kl_in_reward.beta", f"expected >= 0, got {k.beta}")
