@@ -2,14 +2,14 @@
 
     python -m benchmarks.async_step            # defaults: about 3 minutes on 2 CPU cores
 
-prints one JSON line per (rl.async.max_staleness K, device layout) on the quickstart
+prints one JSON line per (rl.asynchronous.max_staleness K, device layout) on the quickstart
 config's shape (`jaxrl_llm/configs/quickstart.py`: the shipped base policy, P x G =
 128 x 4 rollouts of up to 10 tokens, the trainer's own stages, rewards, chain and
 checkpointing), --steps steps per setting, no evaluation. The host is exposed as 2 JAX
 devices (XLA's host platform device count, set here before JAX starts unless XLA_FLAGS
 already sets it), so both layouts use the same 2 devices (cores):
 
-  * "shared" (rl.async.rollout_devices = 0): the sampler thread and the update run on
+  * "shared" (rl.asynchronous.rollout_devices = 0): the sampler thread and the update run on
     one 2-device data-parallel mesh, their programs interleaved;
   * "split" (rollout_devices = 1): the sampler on device 1, the update on device 0, the
     policy copied device to device after each update and the batch copied back.
@@ -45,7 +45,7 @@ LAYOUTS = {"shared": 0, "split": 1}
 
 def config(k: int, rollout_devices: int, steps: int, data_dir: str):
     c = quickstart.get_config()
-    c.rl["async"].update(max_staleness=k, rollout_devices=rollout_devices)
+    c.rl.asynchronous.update(max_staleness=k, rollout_devices=rollout_devices)
     c.data.data_dir = data_dir
     c.train.update(steps=steps, eval_every=0, checkpoint_every=0, progress=False)
     return c

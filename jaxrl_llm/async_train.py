@@ -1,4 +1,4 @@
-"""Asynchronous training with bounded staleness (`rl.async.max_staleness = K > 0`).
+"""Asynchronous training with bounded staleness (`rl.asynchronous.max_staleness = K > 0`).
 
 A background thread samples and scores batches ahead of the update while the main thread
 runs the proximal pass, the transform chain and the update, AReaL-style: the batch of step
@@ -15,7 +15,7 @@ not depend on thread timing, and K = 0 reproduces the synchronous trainer.
     main thread:    ... update s-1 -> publish v = s ->  prepare s, update s -> publish s+1
     sampler thread: ... sample s+K-1 (version s-1)  ->  sample s+K (version s) -> ...
 
-Devices: `rl.async.rollout_devices = 0` samples on the training devices (the two threads'
+Devices: `rl.asynchronous.rollout_devices = 0` samples on the training devices (the two threads'
 programs interleave); n > 0 splits `jax.devices()` into a training mesh (the first ones)
 and a rollout mesh (the last n): each published version is copied device to device onto
 the rollout mesh, and each sampled batch back onto the training mesh's rows.
@@ -135,16 +135,17 @@ def _row_shards(mesh) -> int:
 
 
 def split_runs(run: trainer.Run) -> tuple[trainer.Run, trainer.Run | None]:
-    """(training run, rollout run or None): with rl.async.rollout_devices = n > 0, the run
+    """(training run, rollout run or None): with rl.asynchronous.rollout_devices = n > 0, the run
     rebuilt over the first devices and a copy over the last n; else (run, None)."""
     c = run.config
-    n = c.rl["async"].rollout_devices
+    n = c.rl.asynchronous.rollout_devices
     if not n:
         return run, None
     devices = jax.devices()
     if n >= len(devices):
         raise ValueError(
-            f"config.rl.async.rollout_devices: {n} leaves no training device of {len(devices)}"
+            f"config.rl.asynchronous.rollout_devices: {n} leaves no training device of "
+            f"{len(devices)}"
         )
     train_mesh = _mesh_on(c, devices[: len(devices) - n])
     roll_mesh = _mesh_on(c, devices[len(devices) - n :])
@@ -153,8 +154,8 @@ def split_runs(run: trainer.Run) -> tuple[trainer.Run, trainer.Run | None]:
         shards = _row_shards(mesh)
         if rows % shards:
             raise ValueError(
-                f"config.rl.async.rollout_devices: the {rows} rollouts do not split over the "
-                f"{shards} row shards of the {name} mesh {dict(mesh.shape)}"
+                f"config.rl.asynchronous.rollout_devices: the {rows} rollouts do not split over "
+                f"the {shards} row shards of the {name} mesh {dict(mesh.shape)}"
             )
     st_train = build_stages_on(run, train_mesh)
     eval_batch = run.eval_batch
@@ -292,7 +293,7 @@ def _scored_from(arrays: dict, rows) -> stages.Scored:
 
 
 def train_async(run: trainer.Run, workdir: str) -> dict:
-    """Trains `run` with the sampler up to `rl.async.max_staleness` versions ahead.
+    """Trains `run` with the sampler up to `rl.asynchronous.max_staleness` versions ahead.
 
     The contract of `trainer._train`: metrics JSONL (and TensorBoard) in `workdir`,
     evaluation every `train.eval_every` steps, checkpoints in `workdir/checkpoints`
@@ -303,13 +304,15 @@ def train_async(run: trainer.Run, workdir: str) -> dict:
     also reports "train/is_weight" and "train/is_truncated_frac".
     """
     c = run.config
-    k = int(c.rl["async"].max_staleness)
+    k = int(c.rl.asynchronous.max_staleness)
     if jax.process_count() > 1:
         # Both threads would issue cross-process collectives, in an order that may differ
         # between processes.
-        raise NotImplementedError("rl.async: asynchronous training runs on one process only")
+        raise NotImplementedError("rl.asynchronous: asynchronous training runs on one process only")
     if c.rl.partial_rollouts:
-        raise ValueError("config.rl.async.max_staleness: cannot be combined with partial_rollouts")
+        raise ValueError(
+            "config.rl.asynchronous.max_staleness: cannot be combined with partial_rollouts"
+        )
     run_t, run_r = split_runs(run)
     st = run_t.stages
     st_r = run_r.stages if run_r is not None else st

@@ -152,7 +152,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Asynchronous training: sampling runs ahead of the update by at most max_staleness
     # policy versions (0 = synchronous). rollout_devices > 0 puts the sampler on that many
     # devices of its own (the rest train); 0 = the same devices, interleaved.
-    c.rl["async"] = ml_collections.ConfigDict(dict(max_staleness=0, rollout_devices=0))
+    # ("asynchronous", not "async": a keyword, which --config.rl.async.x could not parse.)
+    c.rl.asynchronous = ml_collections.ConfigDict(dict(max_staleness=0, rollout_devices=0))
     # Reward functions: registry names ("correct", "format", "math", ...), import paths
     # "my_pkg.rewards:score" or files "path/to/rewards.py:score" (rewards.resolve_reward).
     # kwargs are keyed by label: the name itself, or the attribute of a path ("score").
@@ -432,7 +433,7 @@ def _check_chain_shapes(c: ml_collections.ConfigDict) -> None:
 
 
 def _validate_off_policy(c: ml_collections.ConfigDict) -> None:
-    """rl.partial_rollouts, rl.async, rl.kl_in_reward and data.sampler."""
+    """rl.partial_rollouts, rl.asynchronous, rl.kl_in_reward and data.sampler."""
     rl = c.rl
     if rl.partial_rollouts < 0:
         _fail("rl.partial_rollouts", f"expected >= 0, got {rl.partial_rollouts}")
@@ -445,21 +446,23 @@ def _validate_off_policy(c: ml_collections.ConfigDict) -> None:
             _fail("rl.partial_rollouts", "runs on one process for now")
         if c.data.sampler != "uniform":
             _fail("rl.partial_rollouts", "draws its prompts uniformly; set data.sampler='uniform'")
-    a = rl["async"]
+    a = rl.asynchronous
     if a.max_staleness < 0:
-        _fail("rl.async.max_staleness", f"expected >= 0, got {a.max_staleness}")
+        _fail("rl.asynchronous.max_staleness", f"expected >= 0, got {a.max_staleness}")
     if a.rollout_devices < 0:
-        _fail("rl.async.rollout_devices", f"expected >= 0, got {a.rollout_devices}")
+        _fail("rl.asynchronous.rollout_devices", f"expected >= 0, got {a.rollout_devices}")
     if a.rollout_devices and a.rollout_devices >= jax.device_count():
         _fail(
-            "rl.async.rollout_devices",
+            "rl.asynchronous.rollout_devices",
             f"{a.rollout_devices} leaves none of the {jax.device_count()} devices to train",
         )
     if a.max_staleness:
         if rl.partial_rollouts:
-            _fail("rl.async.max_staleness", "cannot be combined with rl.partial_rollouts yet")
+            _fail(
+                "rl.asynchronous.max_staleness", "cannot be combined with rl.partial_rollouts yet"
+            )
         if jax.process_count() > 1:
-            _fail("rl.async.max_staleness", "runs on one process for now")
+            _fail("rl.asynchronous.max_staleness", "runs on one process for now")
     k = rl.kl_in_reward
     if k.beta < 0:
         _fail("rl.kl_in_reward.beta", f"expected >= 0, got {k.beta}")

@@ -470,7 +470,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 def _train(run: Run, workdir: str) -> dict:
     c, st = run.config, run.stages
-    if c.rl["async"].max_staleness:  # sampling overlaps the update (async_train)
+    if c.rl.asynchronous.max_staleness:  # sampling overlaps the update (async_train)
         from jaxrl_llm import async_train
 
         return async_train.train_async(run, workdir)

@@ -27,7 +27,7 @@ from tests.test_trainer import run as run_sync
 
 def async_config(data_dir, steps, k, **rl_async):
     c = rich_config(data_dir, steps=steps)  # the policy moves every step
-    c.rl["async"].update(max_staleness=k, **rl_async)
+    c.rl.asynchronous.update(max_staleness=k, **rl_async)
     c.train.update(eval_every=0, checkpoint_every=2)
     return c
 
@@ -189,7 +189,7 @@ def test_dynamic_sampling_and_lora_run_asynchronously(data_dir, tmp_path, varian
         c = shrink(load_config("quickstart"), data_dir, steps=3)
         c.lora.update(rank=4, alpha=8.0)
         c.loss.beta = 0.01
-    c.rl["async"].max_staleness = 1
+    c.rl.asynchronous.max_staleness = 1
     c.train.update(eval_every=0, checkpoint_every=0)
     rows = run_async(c, tmp_path / variant)
     assert sorted(rows) == [1, 2, 3]
@@ -211,5 +211,7 @@ def test_async_config_errors_name_the_key(data_dir):
     from jaxrl_llm import config as config_lib
 
     c = async_config(data_dir, 1, 1, rollout_devices=8)
-    with pytest.raises(ValueError, match=r"config\.rl\.async\.rollout_devices: 8 leaves none"):
+    with pytest.raises(
+        ValueError, match=r"config\.rl\.asynchronous\.rollout_devices: 8 leaves none"
+    ):
         config_lib.validate(c)
