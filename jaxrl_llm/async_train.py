@@ -52,7 +52,7 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm import losses, metrics, sharding, stages, trainer
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.models import lora
-from jaxrl_llm.train_step import TrainBatch, make_optimizer
+from jaxrl_llm.train_step import TrainBatch
 
 DATA_KEY = "async_inflight"  # in the checkpoint's data JSON: the in-flight batches' info
 _BATCH_FIELDS = ("tokens", "attention_mask", "loss_weights", "advantages", "old_logps", "ref_logps")
@@ -84,50 +84,8 @@ def _mesh_on(c, devices) -> jax.sharding.Mesh:
 
 
 def build_stages_on(run: trainer.Run, mesh: jax.sharding.Mesh) -> stages.Stages:
-    """The run's stages compiled over another mesh (the same arguments as `trainer.setup`).
-
-    TODO(lead): `trainer.setup` could expose this (its `build_stages` call) so the two
-    cannot drift apart."""
-    c, model = run.config, run.model
-    tok = run.tokenizer
-    loss = config_lib.loss_config(c)
-    sampling = config_lib.sampling_config(c, tok.eos_ids, tok.pad_id)
-    o = c.optim
-    optimizer = make_optimizer(
-        learning_rate=o.learning_rate,
-        total_steps=c.train.steps * loss.num_iterations * loss.num_minibatches,
-        warmup_steps=o.warmup_steps,
-        schedule=o.schedule,
-        weight_decay=o.weight_decay,
-        b1=o.b1,
-        b2=o.b2,
-        max_grad_norm=o.max_grad_norm,
-    )
-    pretrained = config_lib.pretrained_dir(c)
-    init_key = jax.random.fold_in(jax.random.key(c.seed), 1)
-    load = None
-    if pretrained is not None:
-        load = lambda like: trainer._load_pretrained(pretrained, model, c.mesh.rules, like)
-    elif config_lib.resolve_checkpoint(c.init.checkpoint) is not None:
-        load = lambda like: trainer.load_initial_params(c, model, init_key, like)
-    return stages.build_stages(
-        model=model,
-        sampling=sampling,
-        greedy=sampling.replace(temperature=0.0),
-        eval_sampling=sampling.replace(temperature=c.train.eval_temperature),
-        loss=loss,
-        chain=run.chain,
-        optimizer=optimizer,
-        group_size=run.G,
-        mesh=mesh,
-        rules=c.mesh.rules,
-        load_params=load,
-        seed=c.seed,
-        lora_targets=tuple(c.lora.targets) if c.lora.rank else (),
-        engine=c.sampling.engine,
-        slots=c.sampling.slots,
-        kl_kind=c.rl.kl_in_reward.kind,
-    )
+    """The run's stages compiled over another mesh (`trainer.build_run_stages`)."""
+    return trainer.build_run_stages(run.config, run.model, run.tokenizer, run.chain, mesh)
 
 
 def _row_shards(mesh) -> int:
@@ -308,7 +266,7 @@ def train_async(run: trainer.Run, workdir: str) -> dict:
     if jax.process_count() > 1:
         # Both threads would issue cross-process collectives, in an order that may differ
         # between processes.
-        raise NotImplementedError("rl.asynchronous: asynchronous training runs on one process only")
+        raise ValueError("config.rl.asynchronous: asynchronous training runs on one process only")
     if c.rl.partial_rollouts:
         raise ValueError(
             "config.rl.asynchronous.max_staleness: cannot be combined with partial_rollouts"

@@ -95,7 +95,6 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     config_lib.validate(config)
     c = config
     model = config_lib.model_config(c)
-    pretrained = config_lib.pretrained_dir(c)
     tokenizer = config_lib.tokenizer(c)
     p, g = c.rl.prompts_per_step, c.rl.group_size
     chain = config_lib.chain(c)
@@ -150,44 +149,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     eval_batch = _pad_rows(eval_batch, -(-n_eval // shards) * shards)
 
-    loss = config_lib.loss_config(c)
-    sampling = config_lib.sampling_config(c, tokenizer.eos_ids, tokenizer.pad_id)
-    o = c.optim
-    optimizer = make_optimizer(
-        learning_rate=o.learning_rate,
-        total_steps=c.train.steps * loss.num_iterations * loss.num_minibatches,
-        warmup_steps=o.warmup_steps,
-        schedule=o.schedule,
-        weight_decay=o.weight_decay,
-        b1=o.b1,
-        b2=o.b2,
-        max_grad_norm=o.max_grad_norm,
-    )
-    init_key = jax.random.fold_in(jax.random.key(c.seed), 1)
-    load = None
-    if pretrained is not None:
-        load = lambda like: _load_pretrained(pretrained, model, c.mesh.rules, like)
-    elif config_lib.resolve_checkpoint(c.init.checkpoint) is not None:
-        load = lambda like: load_initial_params(c, model, init_key, like)
-    built = stages.build_stages(
-        model=model,
-        sampling=sampling,
-        greedy=sampling.replace(temperature=0.0),
-        eval_sampling=sampling.replace(temperature=c.train.eval_temperature),
-        loss=loss,
-        chain=chain,
-        optimizer=optimizer,
-        group_size=g,
-        mesh=mesh,
-        rules=c.mesh.rules,
-        load_params=load,
-        seed=c.seed,
-        lora_targets=tuple(c.lora.targets) if c.lora.rank else (),
-        engine=c.sampling.engine,
-        slots=c.sampling.slots,
-        kl_kind=c.rl.kl_in_reward.kind,
-        partial_stop_groups=p if c.rl.partial_rollouts else 0,
-    )
+    built = build_run_stages(c, model, tokenizer, chain, mesh)
     return Run(
         config=c,
         model=model,
@@ -226,6 +188,53 @@ def next_prompts(run: Run, data_iter, step: int) -> PromptBatch:
     if run.vade is None:
         return batch
     return _take_rows(batch, run.vade.select(np.asarray(batch.ids), run.P, step))
+
+
+def build_run_stages(
+    c: ml_collections.ConfigDict, model: ModelConfig, tokenizer, chain, mesh
+) -> stages.Stages:
+    """The run's compiled stages over `mesh` (setup's, and the asynchronous sampler's own
+    rollout mesh): optimizer, samplers and initial-params loader from the config."""
+    pretrained = config_lib.pretrained_dir(c)
+    p, g = c.rl.prompts_per_step, c.rl.group_size
+    loss = config_lib.loss_config(c)
+    sampling = config_lib.sampling_config(c, tokenizer.eos_ids, tokenizer.pad_id)
+    o = c.optim
+    optimizer = make_optimizer(
+        learning_rate=o.learning_rate,
+        total_steps=c.train.steps * loss.num_iterations * loss.num_minibatches,
+        warmup_steps=o.warmup_steps,
+        schedule=o.schedule,
+        weight_decay=o.weight_decay,
+        b1=o.b1,
+        b2=o.b2,
+        max_grad_norm=o.max_grad_norm,
+    )
+    init_key = jax.random.fold_in(jax.random.key(c.seed), 1)
+    load = None
+    if pretrained is not None:
+        load = lambda like: _load_pretrained(pretrained, model, c.mesh.rules, like)
+    elif config_lib.resolve_checkpoint(c.init.checkpoint) is not None:
+        load = lambda like: load_initial_params(c, model, init_key, like)
+    return stages.build_stages(
+        model=model,
+        sampling=sampling,
+        greedy=sampling.replace(temperature=0.0),
+        eval_sampling=sampling.replace(temperature=c.train.eval_temperature),
+        loss=loss,
+        chain=chain,
+        optimizer=optimizer,
+        group_size=g,
+        mesh=mesh,
+        rules=c.mesh.rules,
+        load_params=load,
+        seed=c.seed,
+        lora_targets=tuple(c.lora.targets) if c.lora.rank else (),
+        engine=c.sampling.engine,
+        slots=c.sampling.slots,
+        kl_kind=c.rl.kl_in_reward.kind,
+        partial_stop_groups=p if c.rl.partial_rollouts else 0,
+    )
 
 
 def _pad_rows(batch: PromptBatch, n: int) -> PromptBatch:
