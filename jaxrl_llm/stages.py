@@ -258,7 +258,7 @@ class Stages:
     to_batch: Callable  # (prompts, mask, rollout) -> TrainBatch
     policy_pass: Callable  # (params, batch) -> (logps, entropy) [N, T]
     ref_pass: Callable  # (reference params, batch) -> (logps, entropy) [N, T]
-    chain: Callable  # (scored, transform_state, entropy, kl) -> (batch, rollouts, state)
+    chain: Callable  # (scored, transform_state, entropy=None, kl=None) -> (batch, rollouts, state)
     trained_groups: Callable  # (scored, transform_state) -> bool[P]
     update: Callable  # (state, batch, frozen) -> (state, metrics), state donated
     token_kl: Callable  # (logps, ref_logps, weights) [N, T] -> per-token KL, 0 off the mask
@@ -432,11 +432,15 @@ def build_stages(
     policy_pass = scorer(param_sh)
     ref_pass = scorer(base_sh) if use_lora else policy_pass
     # Rollouts [P, G, ...] and group flags are small: replicated, whatever P is.
-    chain_fn = jit(
+    chain_jit = jit(
         functools.partial(apply_chain, chain, group_size),
         in_shardings=(rows, rep, rows, rows),
         out_shardings=(rows, rep, rep),
     )
+
+    def chain_fn(scored, transform_state, entropy=None, kl=None):
+        return chain_jit(scored, transform_state, entropy, kl)
+
     groups_fn = jit(
         functools.partial(trained_groups, chain, group_size),
         in_shardings=(rows, rep),
