@@ -195,18 +195,7 @@ def rl_steps_case(args, config, params) -> list[dict]:
             )
             jax.block_until_ready(rollout)
             elapsed = time.perf_counter() - t0
-            host = jax.tree.map(
-                np.asarray,
-                dict(
-                    tokens=rollout.tokens,
-                    logps=rollout.logps,
-                    sampling_logps=rollout.sampling_logps,
-                    lengths=rollout.lengths,
-                    eos=~rollout.truncated,
-                    done=done,
-                ),
-            )
-            trained, waiting = partial.settle(work, host, step, p)
+            trained, waiting = partial.settle(work, rollout, done, step, p)
             pool = waiting.concat(rest)
             if step == 0:
                 continue

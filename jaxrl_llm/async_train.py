@@ -395,20 +395,19 @@ def train_async(run: trainer.Run, workdir: str) -> dict:
                     kl_state = stages.to_host_tree(state.transform_state[0])
                     record["kl_in_reward/beta"] = float(kl_state.beta)
                     record["kl_in_reward/kl"] = float(kl_state.kl)
-                lengths = np.asarray(ro.lengths)
-                record["throughput/tokens_per_s"] = float(lengths.sum() / elapsed)
                 done = step + 1
                 final = done == steps
-                if c.train.eval_every and (done % c.train.eval_every == 0 or final):
-                    record |= trainer.evaluate(run_t, st.policy(state, frozen), done)
-                if writer and c.train.log_every and (done % c.train.log_every == 0 or final):
-                    writer.write(done, record)
-                last_record = {**last_record, **record}
-                progress.update(
+                last_record = trainer.end_step(
+                    run_t,
+                    st.policy(state, frozen),
+                    ro,
+                    record,
+                    elapsed,
                     done,
-                    reward=record["reward/total/mean"],
-                    acc=last_record.get("eval/accuracy", float("nan")),
-                    tok_s=record["throughput/tokens_per_s"],
+                    final,
+                    writer,
+                    progress,
+                    last_record,
                 )
                 every = c.train.checkpoint_every
                 stopped = stop.requested(done) and not final

@@ -160,13 +160,23 @@ def prefix_of(pool: Pool, place) -> Prefix:
     )
 
 
-def settle(work: Pool, host: dict, step: int, num: int) -> tuple[Pool, Pool]:
+def settle(work: Pool, rollout: Rollout, done, step: int, num: int) -> tuple[Pool, Pool]:
     """After a partial-engine call on `work`: (the first `num` complete groups, the others).
 
-    `host` holds the call's outputs as numpy arrays over work's rows: tokens, logps,
-    sampling_logps, lengths, eos (~truncated) and done. Tokens sampled by this call get
-    version `step`. Groups are taken oldest first (work's order), and the others keep it.
+    `rollout` and `done` are the call's outputs over work's rows (global arrays; gathered
+    to the host here). Tokens sampled by this call get version `step`. Groups are taken
+    oldest first (work's order), and the others keep it.
     """
+    host = stages.to_host_tree(
+        dict(
+            tokens=rollout.tokens,
+            logps=rollout.logps,
+            sampling_logps=rollout.sampling_logps,
+            lengths=rollout.lengths,
+            eos=~rollout.truncated,
+            done=done,
+        )
+    )
     t = work.tokens.shape[1]
     cols = np.arange(t)[None]
     new = (cols >= work.lengths[:, None]) & (cols < host["lengths"][:, None])
@@ -218,17 +228,7 @@ def collect(run, params, data_iter, pool: Pool | None, step: int, timer):
                 prefix,
             )
         )
-    host = stages.to_host_tree(
-        dict(
-            tokens=rollout.tokens,
-            logps=rollout.logps,
-            sampling_logps=rollout.sampling_logps,
-            lengths=rollout.lengths,
-            eos=~rollout.truncated,
-            done=done,
-        )
-    )
-    batch_pool, waiting = settle(work, host, step, p)
+    batch_pool, waiting = settle(work, rollout, done, step, p)
     next_pool = waiting.concat(rest)
 
     # Score the trained groups' rows on the processes that hold them.

@@ -427,6 +427,25 @@ def evaluate(run: Run, params, step: int) -> dict:
     }
 
 
+def end_step(run, policy, ro, record, elapsed, done, final, writer, progress, last) -> dict:
+    """The end of step `done`: throughput, evaluation when due, the metrics line and the
+    progress bar; returns `last` updated with `record` (shared with async_train)."""
+    c = run.config
+    record["throughput/tokens_per_s"] = float(np.asarray(ro.lengths).sum() / elapsed)
+    if c.train.eval_every and (done % c.train.eval_every == 0 or final):
+        record |= evaluate(run, policy, done)
+    if writer and c.train.log_every and (done % c.train.log_every == 0 or final):
+        writer.write(done, record)
+    last = {**last, **record}
+    progress.update(
+        done,
+        reward=record["reward/total/mean"],
+        acc=last.get("eval/accuracy", float("nan")),
+        tok_s=record["throughput/tokens_per_s"],
+    )
+    return last
+
+
 class _StopRequest:
     """Remembers a SIGTERM / SIGINT so the loop can finish its step, save and return."""
 
@@ -540,20 +559,19 @@ def _train(run: Run, workdir: str) -> dict:
                 kl_state = stages.to_host_tree(state.transform_state[0])
                 record["kl_in_reward/beta"] = float(kl_state.beta)
                 record["kl_in_reward/kl"] = float(kl_state.kl)
-            lengths = np.asarray(ro.lengths)
-            record["throughput/tokens_per_s"] = float(lengths.sum() / elapsed)
             done = step + 1
             final = done == c.train.steps
-            if c.train.eval_every and (done % c.train.eval_every == 0 or final):
-                record |= evaluate(run, st.policy(state, frozen), done)
-            if writer and c.train.log_every and (done % c.train.log_every == 0 or final):
-                writer.write(done, record)
-            last = {**last, **record}
-            progress.update(
+            last = end_step(
+                run,
+                st.policy(state, frozen),
+                ro,
+                record,
+                elapsed,
                 done,
-                reward=record["reward/total/mean"],
-                acc=last.get("eval/accuracy", float("nan")),
-                tok_s=record["throughput/tokens_per_s"],
+                final,
+                writer,
+                progress,
+                last,
             )
             every = c.train.checkpoint_every
             stopped = stop.requested(done) and not final
