@@ -3,7 +3,7 @@ completion lengths vary: useful (non-padding) tokens/s, slot utilization, wall t
 
     python -m benchmarks.rollout            # defaults: about a minute on 2 CPU cores
 
-prints one JSON line per (length case, engine). Cases: "heavy_tail", lengths drawn from
+prints one JSON line per (length case, engine, slot count). Cases: "heavy_tail", lengths drawn from
 a log-normal (deterministic quantiles, shuffled) whose sigma is solved so that
 max/mean = --max-over-mean (8), and "equal", every row --mean-len tokens.
 
@@ -116,27 +116,32 @@ def run_case(args, config, params, name: str, lengths: np.ndarray) -> list[dict]
     records.append(static(s, "static_chunked"))
 
     sampling = SamplingConfig(max_new_tokens=t_max, temperature=args.temperature)
-    fn = make_continuous_generate_fn(config, sampling, slots=s, prompt_len=lp, return_stats=True)
     budgets = jnp.asarray(lengths)
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(params, prompts, mask, key, budgets).compile()
-    compile_s = time.perf_counter() - t0
-    timed = time_call(lambda: compiled(params, prompts, mask, key, budgets), repeats=args.repeats)
-    rollout, stats = compiled(params, prompts, mask, key, budgets)
-    if not np.array_equal(np.asarray(rollout.lengths), lengths):
-        raise AssertionError("continuous engine: lengths differ from the drawn ones")
-    records.append(
-        {
-            **base,
-            "engine": "continuous",
-            "slots": s,
-            "tokens_per_s": useful / timed["median_s"],
-            "slot_utilization": float(stats.slot_utilization),
-            "decode_steps": int(stats.decode_steps),
-            "wall_s": timed["median_s"],
-            "compile_s": compile_s,
-        }
-    )
+    for slots in args.slot_counts:
+        fn = make_continuous_generate_fn(
+            config, sampling, slots=slots, prompt_len=lp, return_stats=True
+        )
+        t0 = time.perf_counter()
+        compiled = jax.jit(fn).lower(params, prompts, mask, key, budgets).compile()
+        compile_s = time.perf_counter() - t0
+        timed = time_call(
+            lambda c=compiled: c(params, prompts, mask, key, budgets), repeats=args.repeats
+        )
+        rollout, stats = compiled(params, prompts, mask, key, budgets)
+        if not np.array_equal(np.asarray(rollout.lengths), lengths):
+            raise AssertionError("continuous engine: lengths differ from the drawn ones")
+        records.append(
+            {
+                **base,
+                "engine": "continuous",
+                "slots": slots,
+                "tokens_per_s": useful / timed["median_s"],
+                "slot_utilization": float(stats.slot_utilization),
+                "decode_steps": int(stats.decode_steps),
+                "wall_s": timed["median_s"],
+                "compile_s": compile_s,
+            }
+        )
     return records
 
 
@@ -233,7 +238,12 @@ def main(argv: list[str] | None = None) -> None:
     add_model_args(p)
     p.set_defaults(d_model=64, ffn=256, layers=2)
     p.add_argument("--rollouts", type=int, default=256, help="N requests")
-    p.add_argument("--slots", type=int, default=32, help="S decode slots (continuous)")
+    p.add_argument(
+        "--slots",
+        default="32,0",
+        help="S decode slots of the continuous engine, comma-separated, one line each (0 = "
+        "--rollouts: every request has a slot); the first also sizes static_chunked and rl_steps",
+    )
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--mean-len", type=int, default=16)
     p.add_argument("--max-over-mean", type=float, default=8.0)
@@ -244,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rl-steps", type=int, default=4, help="timed RL steps (rl_steps case)")
     p.add_argument("--cases", default="heavy_tail,equal,rl_steps")
     args = p.parse_args(argv)
+    args.slot_counts = [int(x) or args.rollouts for x in args.slots.split(",")]
+    args.slots = args.slot_counts[0]
     if args.rollouts % args.slots:
         raise ValueError(f"--slots {args.slots} must divide --rollouts {args.rollouts}")
     config = model_from_args(args, dtype="float32", param_dtype="float32")

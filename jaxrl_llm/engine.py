@@ -141,21 +141,15 @@ def _continuous_generate(
         tok, logp, slogp = sample(logits[None], request_key(key, request, t))
         return tok[0], logp[0], slogp[0]
 
-    def decode_row(ks, vs, valid, tok, t, plen):
-        """One slot: feeds completion token t (cache slot Lp + t, position plen + t).
-
-        ks/vs: per-layer buffers of this slot without the batch axis; valid [C]."""
-        cache = KVCache(k=tuple(a[None] for a in ks), v=tuple(a[None] for a in vs))
-        pos = plen + t
-        ropes = tuple(
-            (lax.dynamic_slice_in_dim(sn, pos, 1, 1), lax.dynamic_slice_in_dim(cs, pos, 1, 1))
-            for sn, cs in rope_tabs
-        )  # each [1, 1, 1, H/2]
+    def decode(ks, vs, valid, tok, t, plen):
+        """All slots at once: slot s feeds its completion token t[s] (cache slot Lp + t[s],
+        position plen[s] + t[s]); per-row cache indices, one batched trunk call."""
+        pos = (plen + t)[:, None]  # [S, 1]
+        ropes = tuple((sn[0, pos], cs[0, pos]) for sn, cs in rope_tabs)  # [S, 1, 1, H/2]
         h, cache = hidden_states(
-            params, config, tok[None, None], pos[None, None], valid[None], cache, lp + t, ropes
+            params, config, tok[:, None], pos, valid, KVCache(k=ks, v=vs), lp + t, ropes
         )
-        logits = unembed(params, config, h[0, 0])
-        return logits, tuple(a[0] for a in cache.k), tuple(a[0] for a in cache.v)
+        return unembed(params, config, h[:, 0]), cache.k, cache.v
 
     # Requests are served in index order, skipping those already done; queue[j] is the
     # j-th to serve and `todo` how many there are.
@@ -192,31 +186,53 @@ def _continuous_generate(
         )
     slot_state = (first, k0[jnp.minimum(first, r - 1)], logits, valid, ks, vs)
 
-    def refill(free, nxt, slot_state):
-        """Admits queued requests into the free slots, one single-row prefill each."""
+    # Refill admits queued requests in batches: each iteration prefills the largest size
+    # of this static ladder (1, 4, 16, ..., S) that fits both the free slots and the queue,
+    # so a wave of rows ending together costs one batched prefill, not one per row.
+    ladder = sorted({min(4**i, n) for i in range(n.bit_length())} | {n})
 
-        def cond(c):
-            free, nxt, _ = c
-            return jnp.any(free) & (nxt < todo)
-
-        def body(c):
-            free, nxt, (req, t, logits, valid, ks, vs) = c
-            s = jnp.argmax(free).astype(jnp.int32)  # first free slot
-            new = queue[nxt]
-            row_logits, pc = prefill(new[None])
-            ks = tuple(lax.dynamic_update_slice(a, p, (s, 0, 0, 0)) for a, p in zip(ks, pc.k))
-            vs = tuple(lax.dynamic_update_slice(a, p, (s, 0, 0, 0)) for a, p in zip(vs, pc.v))
+    def admit(m: int):
+        def fn(free, nxt, slot_state):
+            req, t, logits, valid, ks, vs = slot_state
+            new = lax.dynamic_slice_in_dim(queue, nxt, m)  # next m queued requests
+            row_logits, pc = prefill(new)
+            if m == 1:  # the common case with a length tail: a contiguous slice write
+                slot = jnp.argmax(free).astype(jnp.int32)[None]
+                at = (slot[0], 0, 0, 0)
+                ks = tuple(lax.dynamic_update_slice(a, p, at) for a, p in zip(ks, pc.k))
+                vs = tuple(lax.dynamic_update_slice(a, p, at) for a, p in zip(vs, pc.v))
+            else:
+                slot = jnp.argsort(~free, stable=True)[:m].astype(jnp.int32)  # first m free
+                w = pc.k[0].shape[-1]  # Lp, or Lp + T with a prefix
+                ks = tuple(a.at[slot, :, :, :w].set(p) for a, p in zip(ks, pc.k))
+                vs = tuple(a.at[slot, :, :w, :].set(p) for a, p in zip(vs, pc.v))
             # The new occupant's prompt mask replaces the old one; the old completion
             # entries stay hidden by causality until this request overwrites them.
-            row_valid = jnp.concatenate(
-                [lax.dynamic_index_in_dim(prompt_mask, new, 0), future[None]], 1
+            rows_valid = jnp.concatenate(
+                [prompt_mask[new], jnp.broadcast_to(future, (m, size - lp))], 1
             )
-            valid = lax.dynamic_update_slice(valid, row_valid, (s, 0))
-            logits = lax.dynamic_update_slice(logits, row_logits, (s, 0))
-            req, t = req.at[s].set(new), t.at[s].set(k0[new])
-            return free.at[s].set(False), nxt + 1, (req, t, logits, valid, ks, vs)
+            valid = valid.at[slot].set(rows_valid)
+            logits = logits.at[slot].set(row_logits)
+            req, t = req.at[slot].set(new), t.at[slot].set(k0[new])
+            return free.at[slot].set(False), nxt + m, (req, t, logits, valid, ks, vs)
 
-        free, nxt, (req, *rest) = lax.while_loop(cond, body, (free, nxt, slot_state))
+        return fn
+
+    def refill(free, nxt, slot_state):
+        """Admits queued requests into the free slots (batched prefills, see `ladder`).
+
+        One `while_loop` per ladder size, largest first (a `lax.switch` between sizes
+        would copy the slot caches through the conditional)."""
+
+        def fits(free, nxt):
+            return jnp.minimum(jnp.sum(free, dtype=jnp.int32), todo - nxt)
+
+        state = (free, nxt, slot_state)
+        for m in reversed(ladder):
+            state = lax.while_loop(
+                lambda c, m=m: fits(c[0], c[1]) >= m, lambda c, m=m: admit(m)(*c), state
+            )
+        free, nxt, (req, *rest) = state
         return nxt, (jnp.where(free, r, req), *rest)  # no request left: the slot goes idle
 
     def complete_groups(done):
@@ -245,9 +261,7 @@ def _continuous_generate(
         budget = budgets[jnp.minimum(req, r - 1)]
         end = active & (is_eos | (t + 1 >= budget))
         done = done.at[jnp.where(end, req, r)].set(True, mode="drop")
-        logits, ks, vs = jax.vmap(decode_row)(
-            ks, vs, valid, tok, t, prompt_lengths[jnp.minimum(req, r - 1)]
-        )
+        logits, ks, vs = decode(ks, vs, valid, tok, t, prompt_lengths[jnp.minimum(req, r - 1)])
         t = jnp.where(active, t + 1, t)
         nxt, slot_state = refill(end, nxt, (req, t, logits, valid, ks, vs))
         return step + 1, nxt, slot_state, (tokens, logps, slogps, mask, ended_eos), done

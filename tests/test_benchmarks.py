@@ -180,3 +180,29 @@ def test_rollout_benchmark_rl_steps_with_and_without_partial_rollouts(capsys):
     assert full["extra_groups"] == 0 and part["extra_groups"] == 2
     assert 0 <= part["staleness_mean"] <= part["staleness_max"] <= 2
     assert part["step_s"] > 0 and full["trained_tokens_per_s"] > 0
+
+
+def test_rollout_benchmark_length_cases_print_one_line_per_engine_and_slot_count(capsys):
+    from benchmarks import rollout
+
+    rollout.main(
+        "--d-model 16 --ffn 32 --layers 1 --heads 2 --kv-heads 1 --vocab 32 --rollouts 8 "
+        "--slots 4,0 --mean-len 3 --max-over-mean 2 --repeats 1 --cases heavy_tail,equal".split()
+    )
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    engines = [(r["case"], r["engine"], r["slots"]) for r in lines]
+    assert engines == [
+        (case, engine, slots)
+        for case in ("heavy_tail", "equal")
+        for engine, slots in (
+            ("static", 8),
+            ("static_chunked", 4),
+            ("continuous", 4),
+            ("continuous", 8),
+        )
+    ]
+    for r in lines:  # the same requests, so the same useful tokens, whatever the engine
+        assert r["useful_tokens"] == lines[0 if r["case"] == "heavy_tail" else 4]["useful_tokens"]
+        assert 0 < r["slot_utilization"] <= 1 and r["tokens_per_s"] > 0
+    equal = [r for r in lines if r["case"] == "equal"]
+    assert all(r["slot_utilization"] == 1.0 and r["useful_tokens"] == 24 for r in equal)

@@ -136,6 +136,23 @@ def test_bad_arguments_raise_clear_errors():
 
 
 @functools.lru_cache
+def test_waves_of_ending_rows_are_refilled_by_batched_prefills():
+    """Rows that end together free their slots together; the engine admits the next
+    requests with one batched prefill (4 rows here), which must give the rollouts of
+    one-at-a-time admission (1 slot)."""
+    prompts, mask = _prompts()
+    budgets = jnp.asarray([3, 3, 3, 3, 5, 5, 5, 5], jnp.int32)  # 4 slots free at step 3
+    sampling = SamplingConfig(max_new_tokens=T, temperature=1.0)
+    key = jax.random.key(5)
+    wave, stats = _continuous(sampling, 4)(PARAMS, prompts, mask, key, budgets)
+    one, _ = _continuous(sampling, 1)(PARAMS, prompts, mask, key, budgets)
+    for name in OUTPUTS:
+        np.testing.assert_array_equal(getattr(wave, name), getattr(one, name), name)
+    np.testing.assert_allclose(wave.logps, one.logps, atol=1e-5)
+    np.testing.assert_allclose(wave.logps, _recompute_logps(prompts, mask, wave, 1.0), atol=1e-5)
+    assert int(stats.prefills) == R and int(stats.decode_steps) == 3 + 5
+
+
 def _partial(sampling, slots, group_size, stop_groups):
     fn = make_partial_generate_fn(
         CONFIG,

@@ -222,6 +222,38 @@ def test_cached_decoding_equals_full_forward_every_step(name):
     np.testing.assert_allclose(np.asarray(logits)[real], np.asarray(full)[real], atol=2e-5)
 
 
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_per_row_cache_index_writes_and_attends_at_each_rows_own_slot(name):
+    """Continuous batching decodes rows at different steps: row b feeds its token at
+    slot idx[b]. Fill the cache with the whole sequence, corrupt slot idx[b] of row b,
+    then one call with the per-row index must rewrite exactly that slot and give row b
+    the full forward's logits at idx[b] (a misplaced write or mask would not)."""
+    config = VARIANTS[name]
+    params = _params(config)
+    lp, total = 4, 9
+    tokens, prompt_mask = _left_padded_batch(config, [4, 2, 1], lp)
+    rest = jax.random.randint(jax.random.key(7), (3, total - lp), 0, config.vocab_size)
+    tokens = jnp.concatenate([tokens, rest], axis=1)
+    mask = jnp.concatenate([prompt_mask, jnp.ones_like(rest, bool)], axis=1)
+    pos = models.positions_from_mask(mask)
+    full, _ = forward(params, config, tokens, pos, mask)
+    cache = models.init_cache(config, 3, total)
+    _, cache = forward(params, config, tokens, pos, mask, cache=cache, cache_index=0)
+    idx = jnp.asarray([lp, total - 1, lp + 2], jnp.int32)
+    rows = jnp.arange(3)
+    bad = models.KVCache(
+        k=tuple(a.at[rows, :, :, idx].set(9.0) for a in cache.k),
+        v=tuple(a.at[rows, :, idx, :].set(9.0) for a in cache.v),
+    )
+    feed, at = tokens[rows, idx][:, None], pos[rows, idx][:, None]
+    logits, new = forward(params, config, feed, at, mask, bad, idx)
+    np.testing.assert_allclose(logits[:, 0], full[rows, idx], atol=2e-5)
+    for a, b in zip(new.k + new.v, cache.k + cache.v, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="per-row cache_index"):
+        forward(params, config, tokens[:, :2], pos[:, :2], mask, bad, idx)
+
+
 def test_left_padding_does_not_change_logits():
     config = ModelConfig.tiny()
     params = _params(config)

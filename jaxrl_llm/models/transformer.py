@@ -445,8 +445,13 @@ def _block(
         k_all, v_all = k, v
     else:
         ck, cv = kv
-        ck = lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, cache_index))
-        cv = lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, cache_index, 0))
+        if cache_index.ndim == 0:
+            ck = lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, cache_index))
+            cv = lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, cache_index, 0))
+        else:  # one token per row, row b at its own slot cache_index[b] (continuous batching)
+            rows = jnp.arange(ck.shape[0])
+            ck = ck.at[rows, :, :, cache_index].set(k[..., 0].astype(ck.dtype))
+            cv = cv.at[rows, :, cache_index, :].set(v[:, :, 0].astype(cv.dtype))
         kv = (ck, cv)
         k_all, v_all = ck, cv
     scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
@@ -471,13 +476,13 @@ def _attention_mask(
     """[B, L, S] bool: causal (key slot <= query slot) and key valid (attention_mask);
     with a window W also query slot - key slot < W (sliding-window layers)."""
     s = attention_mask.shape[1]
-    offset = 0 if cache_index is None else cache_index
-    q_slot = offset + jnp.arange(length)
-    dist = q_slot[:, None] - jnp.arange(s)[None, :]  # [L, S]
+    offset = jnp.zeros((1,), jnp.int32) if cache_index is None else jnp.reshape(cache_index, (-1,))
+    q_slot = offset[:, None] + jnp.arange(length)  # [1 or B, L]
+    dist = q_slot[:, :, None] - jnp.arange(s)  # [1 or B, L, S]
     visible = dist >= 0
     if window is not None:
         visible = visible & (dist < window)
-    return visible[None] & attention_mask.astype(bool)[:, None, :]
+    return visible & attention_mask.astype(bool)[:, None, :]
 
 
 def _layer_inputs(
@@ -547,6 +552,11 @@ def hidden_states(
         raise ValueError("forward: cache_index is required when a cache is given")
     if cache is not None:
         cache_index = jnp.asarray(cache_index, jnp.int32)
+        if cache_index.ndim and (cache_index.shape != tokens.shape[:1] or tokens.shape[1] != 1):
+            raise ValueError(
+                f"forward: a per-row cache_index {cache_index.shape} needs tokens [B, 1] with "
+                f"B = {cache_index.shape[0]}, got tokens {tokens.shape}"
+            )
     inputs, kinds = _layer_inputs(
         config, attention_mask, tokens.shape[1], None if cache is None else cache_index, ropes
     )
@@ -629,7 +639,8 @@ def forward(
         j <= its own slot with attention_mask[b, j].
       cache: optional `KVCache` with S slots; this call writes slots
         [cache_index, cache_index + L).
-      cache_index: int32 scalar, first cache slot written by this call.
+      cache_index: int32 scalar, first cache slot written by this call; or int32 [B]
+        with L = 1: row b writes (and its query sits at) slot cache_index[b].
     Returns:
       (logits [B, L, V] float32, updated cache or None).
     """
