@@ -93,6 +93,9 @@ def base_config() -> ml_collections.ConfigDict:
             system_prompt="",
             chat_template_kwargs=ml_collections.ConfigDict(),
             eval_prompts=400,
+            # Train on the first N records of the train split only (0 = all): a fixed
+            # prompt set that recurs every epoch (VADE's per-prompt statistics need that).
+            train_prompts=0,
             # Which prompts a step trains on: "uniform" (the shuffled stream) or "vade"
             # (VADE: data.vade.candidate_factor x P candidates from the stream, the P with
             # the most informative posterior draws are sampled; jaxrl_llm.data.vade).
@@ -470,6 +473,8 @@ def _validate_off_policy(c: ml_collections.ConfigDict) -> None:
         _fail("rl.kl_in_reward", f"expected target >= 0 and horizon > 0, got {k.to_dict()}")
     if k.kind not in losses.KL_KINDS:
         _fail("rl.kl_in_reward.kind", f"unknown {k.kind!r}; known: {', '.join(losses.KL_KINDS)}")
+    if not isinstance(c.data.train_prompts, int) or c.data.train_prompts < 0:
+        _fail("data.train_prompts", f"expected an int >= 0 (0 = all), got {c.data.train_prompts!r}")
     if c.data.sampler not in ("uniform", "vade"):
         _fail("data.sampler", f"unknown sampler {c.data.sampler!r}; known: uniform, vade")
     if c.data.sampler == "vade":

@@ -30,7 +30,14 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm import evaluation, metrics, partial, stages, transforms
 from jaxrl_llm import rewards as rewards_lib
 from jaxrl_llm.checkpoint import Checkpointer, load_params_safetensors
-from jaxrl_llm.data import HFTokenizer, PromptBatch, Tokenizer, make_pipeline, make_source
+from jaxrl_llm.data import (
+    HFTokenizer,
+    PromptBatch,
+    Tokenizer,
+    first_records,
+    make_pipeline,
+    make_source,
+)
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.train_step import TrainState, make_optimizer
 
@@ -104,6 +111,11 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     multihost_utils.sync_global_devices("jaxrl_llm: data prepared")
     if jax.process_index() != 0:
         source = _source(c, "data.source", c.data.source, c.data.train_split)
+    if c.data.train_prompts:
+        try:
+            source = first_records(source, c.data.train_prompts)
+        except ValueError as e:
+            raise ValueError(f"config.data.train_prompts: {e}") from None
     chat = dict(
         system_prompt=c.data.system_prompt, chat_kwargs=dict(c.data.chat_template_kwargs) or None
     )

@@ -282,3 +282,9 @@ def test_unknown_train_split_names_the_key(base):
     base.data.train_split = "validation"
     with pytest.raises(ValueError, match=r"config\.data\.train_split: unknown split 'validation'"):
         config_lib.validate(base)
+
+
+@pytest.mark.parametrize("value", [-1, -100])
+def test_train_prompts_must_be_a_count(base, rejects, value):
+    base.data.train_prompts = value
+    rejects(base, "config.data.train_prompts", repr(value))

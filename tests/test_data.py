@@ -508,6 +508,23 @@ def test_record_source_is_random_access(countdown_source):
     assert len({in_order[i]["prompt"] for i in picks}) == 5
 
 
+def test_first_records_is_a_fixed_prompt_set_that_recurs_every_epoch(countdown_source, tok):
+    head = pipeline.first_records(countdown_source, 7)
+    assert len(head) == 7 and head.name.endswith("[:7]")
+    assert [head[i] for i in range(7)] == [countdown_source[i] for i in range(7)]
+    with pytest.raises(IndexError, match="index 7 out of range for 7"):
+        head[7]
+    with pytest.raises(ValueError, match=r"61 records asked of .* which has 60"):
+        pipeline.first_records(countdown_source, 61)
+    # Three epochs of batches of 7 from it: each epoch holds every one of the 7 prompts.
+    it = iter(pipeline.make_pipeline(head, tok, batch_size=7, prompt_len=48, seed=0))
+    batches = [next(it) for _ in range(3)]
+    epochs = [sorted(b.prompts) for b in batches]
+    assert epochs[0] == epochs[1] == epochs[2] == sorted(head[i]["prompt"] for i in range(7))
+    for b in batches:  # ids are record indices in every epoch, not stream positions
+        assert [head[int(i)]["prompt"] for i in b.ids] == list(b.prompts)
+
+
 def test_sft_and_rl_halves_partition_the_train_problems():
     """RL trains on problems the SFT warm start never saw; neither touches the test split."""
     task = tasks.get_task("arithmetic")

@@ -22,6 +22,7 @@ from jaxrl_llm.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 _LAZY = {
     "PromptBatch": "pipeline",
     "make_source": "pipeline",
+    "first_records": "pipeline",
     "make_pipeline": "pipeline",
     "task_source": "pipeline",
     "jsonl_source": "pipeline",

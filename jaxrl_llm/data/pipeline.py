@@ -342,6 +342,31 @@ def tfds_source(
     return RecordSource(base, normalize, f"{name}:{split}")
 
 
+class _Head:
+    """The first ``n`` records of a random-access source."""
+
+    def __init__(self, source: Sequence[Record], n: int):
+        self._source, self._n = source, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index: int) -> Record:
+        if not 0 <= index < self._n:
+            raise IndexError(f"index {index} out of range for {self._n} records")
+        return self._source[index]
+
+
+def first_records(source: RecordSource | ParquetSource, n: int) -> RecordSource:
+    """The first ``n`` records of ``source`` (a fixed prompt set that recurs every epoch,
+    e.g. for VADE's per-prompt statistics); ValueError if it has fewer."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"first_records: n must be an int >= 1, got {n!r}")
+    if n > len(source):
+        raise ValueError(f"{n} records asked of {source.name!r}, which has {len(source)}")
+    return RecordSource(_Head(source, n), lambda record: record, f"{source.name}[:{n}]")
+
+
 def make_source(
     spec: str,
     split: str = "train",
@@ -546,7 +571,10 @@ def make_pipeline(
             f"{len(source)} records give {usable // shard_count} per shard, fewer than "
             f"batch_size={batch_size}"
         )
-    ds = grain.MapDataset.source(source).map_with_index(lambda i, r: {**r, "_id": i})
+    # The record's index in the source (its stable prompt id, e.g. for VADE): grain passes
+    # later epochs' indices unreduced (a source dataset reads index i % len), so reduce.
+    n = len(source)
+    ds = grain.MapDataset.source(source).map_with_index(lambda i, r: {**r, "_id": i % n})
     ds = ds[:usable][shard_index::shard_count]
     if shuffle:
         ds = ds.shuffle(seed=seed)
