@@ -124,7 +124,10 @@ def test_meshes_equal_one_device(one_device, data_dir, tmp_path):
 
 
 def test_two_processes_equal_one_process(data_dir, tmp_path):
+    """With VADE prompt selection on: every process reads the global candidate batch and
+    updates one shared table from the gathered rewards, so both select the same prompts."""
     mesh = ("--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
+    mesh += ("--config.data.sampler=vade", "--config.data.vade.candidate_factor=2")
     run(cli(tmp_path / "one", data_dir, *mesh), xla_flags=EIGHT)
     run(["bash", str(LAUNCH), "2", "4", *cli(tmp_path / "two", data_dir, *mesh)])
     one, two = by_step(tmp_path / "one"), by_step(tmp_path / "two")
@@ -135,6 +138,7 @@ def test_two_processes_equal_one_process(data_dir, tmp_path):
         assert got.keys() == want.keys()
         for k in want:
             assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (step, k)
+    assert one[2]["vade/never_seen"] < one[1]["vade/never_seen"] < 1  # the table filled
     # Only process 0 writes metrics: one record per step.
     assert [r["step"] for r in metrics.read_metrics(tmp_path / "two") if "train/loss" in r] == [
         1,
