@@ -188,6 +188,16 @@ def test_attention_matches_naive_reference(length):
 # ---- forward -------------------------------------------------------------------------------
 
 
+def _prompt_and_continuation(config, lp: int, total: int):
+    """3 rows: left-padded prompts of 4, 2 and 1 tokens in Lp slots, then total - Lp
+    random tokens. Returns (tokens, mask, positions), each [3, total]."""
+    tokens, prompt_mask = _left_padded_batch(config, [4, 2, 1], lp)
+    rest = jax.random.randint(jax.random.key(7), (3, total - lp), 0, config.vocab_size)
+    tokens = jnp.concatenate([tokens, rest], axis=1)
+    mask = jnp.concatenate([prompt_mask, jnp.ones_like(rest, bool)], axis=1)
+    return tokens, mask, models.positions_from_mask(mask)
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_cached_decoding_equals_full_forward_every_step(name):
     """Prefill a left-padded prompt into the cache, feed the rest one token at a time:
@@ -195,11 +205,7 @@ def test_cached_decoding_equals_full_forward_every_step(name):
     config = VARIANTS[name]
     params = _params(config)
     lp, total = 4, 9
-    tokens, prompt_mask = _left_padded_batch(config, [4, 2, 1], lp)
-    rest = jax.random.randint(jax.random.key(7), (3, total - lp), 0, config.vocab_size)
-    tokens = jnp.concatenate([tokens, rest], axis=1)
-    mask = jnp.concatenate([prompt_mask, jnp.ones_like(rest, bool)], axis=1)
-    pos = models.positions_from_mask(mask)
+    tokens, mask, pos = _prompt_and_continuation(config, lp, total)
     full, _ = forward(params, config, tokens, pos, mask)
 
     cache = models.init_cache(config, 3, total)
@@ -231,11 +237,7 @@ def test_per_row_cache_index_writes_and_attends_at_each_rows_own_slot(name):
     config = VARIANTS[name]
     params = _params(config)
     lp, total = 4, 9
-    tokens, prompt_mask = _left_padded_batch(config, [4, 2, 1], lp)
-    rest = jax.random.randint(jax.random.key(7), (3, total - lp), 0, config.vocab_size)
-    tokens = jnp.concatenate([tokens, rest], axis=1)
-    mask = jnp.concatenate([prompt_mask, jnp.ones_like(rest, bool)], axis=1)
-    pos = models.positions_from_mask(mask)
+    tokens, mask, pos = _prompt_and_continuation(config, lp, total)
     full, _ = forward(params, config, tokens, pos, mask)
     cache = models.init_cache(config, 3, total)
     _, cache = forward(params, config, tokens, pos, mask, cache=cache, cache_index=0)
