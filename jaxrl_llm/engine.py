@@ -290,6 +290,23 @@ def _continuous_generate(
     return rollout, stats, done
 
 
+def _check_requests(who: str, prompts, prompt_mask, prompt_len: int, max_lengths) -> int:
+    """One-line ValueErrors for request arrays of the wrong shape; returns R."""
+    if prompts.ndim != 2 or prompts.shape != prompt_mask.shape:
+        raise ValueError(
+            f"{who}: prompts {prompts.shape} and prompt_mask {prompt_mask.shape} must both be "
+            "[R, Lp]"
+        )
+    r, lp = prompts.shape
+    if lp != prompt_len:
+        raise ValueError(f"{who}: prompt width {lp} != prompt_len {prompt_len}")
+    if r == 0:
+        raise ValueError(f"{who}: no requests (R == 0)")
+    if max_lengths is not None and jnp.shape(max_lengths) != (r,):
+        raise ValueError(f"{who}: max_lengths must be [R={r}], got {jnp.shape(max_lengths)}")
+    return r
+
+
 def make_continuous_generate_fn(
     config: ModelConfig,
     sampling: SamplingConfig,
@@ -336,20 +353,7 @@ def make_continuous_generate_fn(
     sampling.check(config)
 
     def generate_fn(params, prompts, prompt_mask, key, max_lengths=None):
-        if prompts.ndim != 2 or prompts.shape != prompt_mask.shape:
-            raise ValueError(
-                f"continuous generate: prompts {prompts.shape} and prompt_mask "
-                f"{prompt_mask.shape} must both be [R, Lp]"
-            )
-        r, lp = prompts.shape
-        if lp != prompt_len:
-            raise ValueError(f"continuous generate: prompt width {lp} != prompt_len {prompt_len}")
-        if r == 0:
-            raise ValueError("continuous generate: no requests (R == 0)")
-        if max_lengths is not None and jnp.shape(max_lengths) != (r,):
-            raise ValueError(
-                f"continuous generate: max_lengths must be [R={r}], got {jnp.shape(max_lengths)}"
-            )
+        r = _check_requests("continuous generate", prompts, prompt_mask, prompt_len, max_lengths)
         rollout, stats, _ = _continuous_generate(
             params,
             prompts,
@@ -419,15 +423,8 @@ def make_partial_generate_fn(
     sampling.check(config)
 
     def generate_fn(params, prompts, prompt_mask, key, prefix: Prefix, max_lengths=None):
-        if prompts.ndim != 2 or prompts.shape != prompt_mask.shape:
-            raise ValueError(
-                f"partial generate: prompts {prompts.shape} and prompt_mask "
-                f"{prompt_mask.shape} must both be [R, Lp]"
-            )
-        r, lp = prompts.shape
-        if lp != prompt_len:
-            raise ValueError(f"partial generate: prompt width {lp} != prompt_len {prompt_len}")
-        if r == 0 or r % group_size:
+        r = _check_requests("partial generate", prompts, prompt_mask, prompt_len, max_lengths)
+        if r % group_size:
             raise ValueError(
                 f"partial generate: {r} requests are not a positive multiple of group_size "
                 f"{group_size}"
