@@ -26,6 +26,27 @@ def block(tree: Any) -> Any:
     return jax.block_until_ready(tree)
 
 
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], *, repeats: int = 5, warmup: int = 1
+) -> dict[str, dict[str, float]]:
+    """`time_call` for several functions at once, called in turn (round robin) so that
+    load drift on a shared machine hits them alike; the ratios of their medians are the
+    side-by-side comparison. Returns {name: {"median_s", "min_s", "max_s"}}."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            block(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            block(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {
+        name: {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)}
+        for name, ts in times.items()
+    }
+
+
 def time_call(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> dict[str, float]:
     """Wall-clock seconds of `fn()` (blocked on its outputs).
 

@@ -46,7 +46,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._common import add_model_args, emit, model_from_args, time_call
+from benchmarks._common import (
+    add_model_args,
+    emit,
+    model_from_args,
+    time_interleaved,
+)
 from jaxrl_llm import partial
 from jaxrl_llm.data import PromptBatch
 from jaxrl_llm.engine import make_continuous_generate_fn, make_partial_generate_fn
@@ -82,9 +87,9 @@ def run_case(args, config, params, name: str, lengths: np.ndarray) -> list[dict]
     useful = int(lengths.sum())
     base = {"benchmark": "rollout", "case": name, "rollouts": n, "useful_tokens": useful}
     base |= {"mean_len": float(lengths.mean()), "max_len": t_max, "prompt_len": lp}
-    records = []
+    calls, records = {}, {}  # engine label -> callable, and its line (timing added below)
 
-    def static(batch: int, label: str) -> dict:
+    def static(batch: int, label: str) -> None:
         chunks = [slice(i, i + batch) for i in range(0, n, batch)]
         fns = {}
         t0 = time.perf_counter()
@@ -95,25 +100,21 @@ def run_case(args, config, params, name: str, lengths: np.ndarray) -> list[dict]
                 fn = jax.jit(make_generate_fn(config, sampling))
                 fns[t] = fn.lower(params, prompts[c], mask[c], key).compile()
         compile_s = time.perf_counter() - t0
-
-        def call():
-            return [fns[int(lengths[c].max())](params, prompts[c], mask[c], key) for c in chunks]
-
-        stats = time_call(call, repeats=args.repeats)
+        calls[label] = lambda: [
+            fns[int(lengths[c].max())](params, prompts[c], mask[c], key) for c in chunks
+        ]
         steps = sum(int(lengths[c].max()) for c in chunks)
-        return {
+        records[label] = {
             **base,
-            "engine": label,
+            "engine": label.split("/")[0],
             "slots": batch,
-            "tokens_per_s": useful / stats["median_s"],
             "slot_utilization": useful / (batch * steps),
             "decode_steps": steps,
-            "wall_s": stats["median_s"],
             "compile_s": compile_s,
         }
 
-    records.append(static(n, "static"))
-    records.append(static(s, "static_chunked"))
+    static(n, "static")
+    static(s, "static_chunked")
 
     sampling = SamplingConfig(max_new_tokens=t_max, temperature=args.temperature)
     budgets = jnp.asarray(lengths)
@@ -124,25 +125,30 @@ def run_case(args, config, params, name: str, lengths: np.ndarray) -> list[dict]
         t0 = time.perf_counter()
         compiled = jax.jit(fn).lower(params, prompts, mask, key, budgets).compile()
         compile_s = time.perf_counter() - t0
-        timed = time_call(
-            lambda c=compiled: c(params, prompts, mask, key, budgets), repeats=args.repeats
-        )
         rollout, stats = compiled(params, prompts, mask, key, budgets)
         if not np.array_equal(np.asarray(rollout.lengths), lengths):
             raise AssertionError("continuous engine: lengths differ from the drawn ones")
-        records.append(
-            {
-                **base,
-                "engine": "continuous",
-                "slots": slots,
-                "tokens_per_s": useful / timed["median_s"],
-                "slot_utilization": float(stats.slot_utilization),
-                "decode_steps": int(stats.decode_steps),
-                "wall_s": timed["median_s"],
-                "compile_s": compile_s,
-            }
-        )
-    return records
+        label = f"continuous/{slots}"
+        calls[label] = lambda c=compiled: c(params, prompts, mask, key, budgets)
+        records[label] = {
+            **base,
+            "engine": "continuous",
+            "slots": slots,
+            "slot_utilization": float(stats.slot_utilization),
+            "decode_steps": int(stats.decode_steps),
+            "compile_s": compile_s,
+        }
+    # Every engine is called in turn, repeat after repeat: their ratios are side by side.
+    timed = time_interleaved(calls, repeats=args.repeats)
+    static_s = timed["static"]["median_s"]
+    for label, record in records.items():
+        wall = timed[label]["median_s"]
+        record |= {
+            "tokens_per_s": useful / wall,
+            "wall_s": wall,
+            "speedup_vs_static": static_s / wall,
+        }
+    return list(records.values())
 
 
 def rl_steps_case(args, config, params) -> list[dict]:
@@ -269,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         if name in wanted:
             for record in run_case(args, config, params, name, lengths):
                 emit(record)
-    if "rl_steps" in wanted:
+    if "rl_steps" in wanted and args.rl_steps > 0:
         for record in rl_steps_case(args, config, params):
             emit(record)
 

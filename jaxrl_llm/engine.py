@@ -38,8 +38,29 @@ class EngineStats:
     decode_steps: jax.Array  # [] int32, loop iterations: one sampled token per busy slot
     useful_tokens: jax.Array  # [] int32, completion tokens returned (= sum of lengths)
     prefills: jax.Array  # [] int32, requests admitted into a slot (R when all are served)
-    slot_utilization: jax.Array  # [] float32, useful_tokens / (decode_steps * slots)
+    decoded_rows: jax.Array  # [] int32, rows decoded summed over steps (the batch width each)
+    slot_utilization: jax.Array  # [] float32, useful_tokens / decoded_rows
     slots: int = flax.struct.field(pytree_node=False)  # S, decode slots used
+
+
+# Once the queue is empty the decode batch is halved (compacting the live slots) each time
+# the live rows fit in half of it, down to this many rows: below it a step's fixed cost
+# dominates and compaction buys little.
+MIN_WIDTH = 8
+
+
+def batch_widths(slots: int) -> list[int]:
+    """The static ladder of decode batch widths: S, ceil(S/2), ... while >= MIN_WIDTH."""
+    widths = [slots]
+    while (widths[-1] + 1) // 2 >= MIN_WIDTH:
+        widths.append((widths[-1] + 1) // 2)
+    return widths
+
+
+def kv_sizes(prompt_len: int, max_new_tokens: int, kv_buckets: int) -> list[int]:
+    """Cache widths of the lock-step phases: phase j holds completion tokens t < T j / n."""
+    n = max(1, min(kv_buckets, max_new_tokens))
+    return [prompt_len + (max_new_tokens * j) // n for j in range(1, n + 1)]
 
 
 @flax.struct.dataclass
@@ -100,6 +121,7 @@ def _continuous_generate(
     pad_id: int,
     group_size: int = 1,
     stop_groups: int = 0,
+    kv_buckets: int = 1,
 ) -> tuple[Rollout, EngineStats, jax.Array]:
     """The traced program behind `make_continuous_generate_fn` and
     `make_partial_generate_fn` (see there for the spec); also returns done bool[R]."""
@@ -141,13 +163,20 @@ def _continuous_generate(
         tok, logp, slogp = sample(logits[None], request_key(key, request, t))
         return tok[0], logp[0], slogp[0]
 
-    def decode(ks, vs, valid, tok, t, plen):
+    # Lock-step: every request is prefilled at step 0 with no prefix (S = R), so every
+    # live row is at completion token `step`, a scalar cache index for the whole batch
+    # (one contiguous write per layer) and cache widths that grow with the step.
+    lockstep = prefix is None and n == r
+
+    def decode(ks, vs, valid, tok, t, plen, step):
         """All slots at once: slot s feeds its completion token t[s] (cache slot Lp + t[s],
-        position plen[s] + t[s]); per-row cache indices, one batched trunk call."""
+        position plen[s] + t[s]); one batched trunk call with per-row cache indices (or
+        the lock-step's scalar one)."""
         pos = (plen + t)[:, None]  # [S, 1]
         ropes = tuple((sn[0, pos], cs[0, pos]) for sn, cs in rope_tabs)  # [S, 1, 1, H/2]
+        index = lp + (step if lockstep else t)
         h, cache = hidden_states(
-            params, config, tok[:, None], pos, valid, KVCache(k=ks, v=vs), lp + t, ropes
+            params, config, tok[:, None], pos, valid, KVCache(k=ks, v=vs), index, ropes
         )
         return unembed(params, config, h[:, 0]), cache.k, cache.v
 
@@ -162,9 +191,7 @@ def _continuous_generate(
     slot_ids = jnp.arange(n, dtype=jnp.int32)
     first = jnp.where(slot_ids < todo, queue[:n], r)
     logits, cache = prefill(jnp.minimum(first, r - 1))
-    grow = size - cache.k[0].shape[-1]
-    ks = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, grow))) for a in cache.k)  # [S,K,H,C]
-    vs = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, grow), (0, 0))) for a in cache.v)  # [S,K,C,H]
+    ks, vs = cache.k, cache.v  # [S, K, H, C] and [S, K, C, H], C = Lp (or Lp + T)
     valid = jnp.concatenate(
         [prompt_mask[jnp.minimum(first, r - 1)], jnp.ones((n, size - lp), bool)], axis=1
     )  # [S, C]
@@ -238,36 +265,116 @@ def _continuous_generate(
     def complete_groups(done):
         return jnp.sum(jnp.all(done.reshape(-1, group_size), axis=-1), dtype=jnp.int32)
 
-    def cond(state):
-        busy = jnp.any(state[2][0] < r)
-        if not stop_groups:
-            return busy
-        return busy & (complete_groups(state[4]) < stop_groups)
+    def step_fn(refill_slots: bool):
+        """One decode step of every slot; then ended slots are refilled from the queue
+        (`refill_slots`) or go idle."""
 
-    def body(state):
-        step, nxt, slot_state, out, done = state
+        def body(state):
+            step, decoded, nxt, slot_state, out, done = state
+            req, t, logits, valid, ks, vs = slot_state
+            width, kv = req.shape[0], ks[0].shape[-1]
+            active = req < r
+            tok, logp, slogp = jax.vmap(sample_row)(logits, req, t)  # [W] each
+            tok = jnp.where(active, tok, pad_id)
+            tokens, logps, slogps, mask, ended_eos = out
+            # Idle slots have req = r: out of bounds, their writes are dropped.
+            tokens = tokens.at[req, t].set(tok, mode="drop")
+            logps = logps.at[req, t].set(logp, mode="drop")
+            slogps = slogps.at[req, t].set(slogp, mode="drop")
+            mask = mask.at[req, t].set(True, mode="drop")
+            is_eos = jnp.zeros((width,), bool) if eos is None else jnp.any(tok[:, None] == eos, -1)
+            ended_eos = ended_eos.at[req].set(is_eos, mode="drop")
+            budget = budgets[jnp.minimum(req, r - 1)]
+            end = active & (is_eos | (t + 1 >= budget))
+            done = done.at[jnp.where(end, req, r)].set(True, mode="drop")
+            plen = prompt_lengths[jnp.minimum(req, r - 1)]
+            logits, ks, vs = decode(ks, vs, valid[:, :kv], tok, t, plen, step)
+            t = jnp.where(active, t + 1, t)
+            slot_state = (req, t, logits, valid, ks, vs)
+            if refill_slots:
+                nxt, slot_state = refill(end, nxt, slot_state)
+            else:
+                slot_state = (jnp.where(end, r, req), *slot_state[1:])
+            out = (tokens, logps, slogps, mask, ended_eos)
+            return step + 1, decoded + width, nxt, slot_state, out, done
+
+        return body
+
+    def phase_cond(refill_slots: bool, kv: int, next_width: int):
+        """Whether the phase goes on: some slot busy, fewer than `stop_groups` groups
+        complete, and the phase's own limits: a queued request (refill phase), every live
+        row's next cache slot < kv, more live rows than the next width."""
+
+        def cond(state):
+            _, _, nxt, (req, t, *_), _, done = state
+            active = req < r
+            go = jnp.any(active)
+            if stop_groups:
+                go &= complete_groups(done) < stop_groups
+            if refill_slots:
+                go &= nxt < todo
+            if kv < size:
+                go &= jnp.max(jnp.where(active, t, 0)) < kv - lp
+            if next_width:
+                go &= jnp.sum(active, dtype=jnp.int32) > next_width
+            return go
+
+        return cond
+
+    def resize(slot_state, width: int, kv: int):
+        """The slot state for a phase of `width` slots and `kv` cache slots per row: live
+        slots compacted to the front (their order does not matter, outputs go by request),
+        the caches padded to kv."""
         req, t, logits, valid, ks, vs = slot_state
-        active = req < r
-        tok, logp, slogp = jax.vmap(sample_row)(logits, req, t)  # [S] each
-        tok = jnp.where(active, tok, pad_id)
-        tokens, logps, slogps, mask, ended_eos = out
-        # Idle slots have req = r: out of bounds, their writes are dropped.
-        tokens = tokens.at[req, t].set(tok, mode="drop")
-        logps = logps.at[req, t].set(logp, mode="drop")
-        slogps = slogps.at[req, t].set(slogp, mode="drop")
-        mask = mask.at[req, t].set(True, mode="drop")
-        is_eos = jnp.zeros((n,), bool) if eos is None else jnp.any(tok[:, None] == eos, axis=-1)
-        ended_eos = ended_eos.at[req].set(is_eos, mode="drop")
-        budget = budgets[jnp.minimum(req, r - 1)]
-        end = active & (is_eos | (t + 1 >= budget))
-        done = done.at[jnp.where(end, req, r)].set(True, mode="drop")
-        logits, ks, vs = decode(ks, vs, valid, tok, t, prompt_lengths[jnp.minimum(req, r - 1)])
-        t = jnp.where(active, t + 1, t)
-        nxt, slot_state = refill(end, nxt, (req, t, logits, valid, ks, vs))
-        return step + 1, nxt, slot_state, (tokens, logps, slogps, mask, ended_eos), done
+        if width < req.shape[0]:
+            keep = jnp.argsort(req >= r, stable=True)[:width]
+            req, t, logits, valid, ks, vs = jax.tree.map(
+                lambda a: a[keep], (req, t, logits, valid, ks, vs)
+            )
+        grow = kv - ks[0].shape[-1]
+        if grow:
+            ks = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, grow))) for a in ks)
+            vs = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, grow), (0, 0))) for a in vs)
+        return req, t, logits, valid, ks, vs
 
-    init = (jnp.asarray(0, jnp.int32), jnp.minimum(todo, n), slot_state, out, done0)
-    steps, admitted, _, out, done = lax.while_loop(cond, body, init)
+    # The phases, a static sequence (one compiled loop body each); a phase whose limits
+    # already fail runs no step:
+    #   1. refill (S < R): every slot busy while requests are queued, full-width caches;
+    #   2. S slots, no refill: cache widths that grow with the step (lock-step only,
+    #      `kv_buckets` phases as the static sampler's, each reading only what it can
+    #      reach), else full width;
+    #   3. narrower batches S/2, S/4, ...: once the live rows fit, they are compacted, so
+    #      a length tail stops costing decode rows for the slots that went idle.
+    widths = batch_widths(n)
+    phases = []  # (refill, width, kv, next width or 0)
+    if n < r:
+        phases.append((True, n, size, 0))
+    kvs = kv_sizes(lp, t_max, kv_buckets) if lockstep else [size]
+    phases += [(False, n, kv, widths[1] if len(widths) > 1 else 0) for kv in kvs]
+    phases += [(False, w, size, nw) for w, nw in zip(widths[1:], [*widths[2:], 0])]
+
+    def run(i: int, state):
+        """Phases i, i+1, ...; a later phase (and its resize, a copy of the caches) runs
+        only if this one left work (`lax.cond`; the caches are not among its outputs)."""
+        refill_slots, width, kv, next_width = phases[i]
+        step, decoded, nxt, slot_state, out, done = state
+        slot_state = resize(slot_state, width, kv)
+        state = lax.while_loop(
+            phase_cond(refill_slots, kv, next_width),
+            step_fn(refill_slots),
+            (step, decoded, nxt, slot_state, out, done),
+        )
+        if i + 1 == len(phases):
+            return (*state[:3], *state[4:])
+        active = state[3][0] < r
+        more = jnp.any(active)
+        if stop_groups:
+            more &= complete_groups(state[5]) < stop_groups
+        return lax.cond(more, lambda s: run(i + 1, s), lambda s: (*s[:3], *s[4:]), state)
+
+    init = (jnp.asarray(0, jnp.int32), jnp.asarray(0, jnp.int32), jnp.minimum(todo, n))
+    state = run(0, (*init, slot_state, out, done0))
+    steps, decoded, admitted, out, done = state
     tokens, logps, slogps, mask, ended_eos = out
     lengths = jnp.sum(mask, axis=-1, dtype=jnp.int32)
     useful = jnp.sum(lengths - k0)  # tokens sampled by this call
@@ -284,7 +391,8 @@ def _continuous_generate(
         decode_steps=steps,
         useful_tokens=useful,
         prefills=admitted,
-        slot_utilization=useful / jnp.maximum(steps * n, 1).astype(jnp.float32),
+        decoded_rows=decoded,
+        slot_utilization=useful / jnp.maximum(decoded, 1).astype(jnp.float32),
         slots=n,
     )
     return rollout, stats, done
@@ -337,8 +445,9 @@ def make_continuous_generate_fn(
 
     Args:
       config: static model config.
-      sampling: `SamplingConfig`; `cache_size`, `kv_buckets` and `row_groups` do not apply
-        (each slot has Lp + max_new_tokens cache slots).
+      sampling: `SamplingConfig`; `cache_size` and `row_groups` do not apply (each slot
+        has Lp + max_new_tokens cache slots); `kv_buckets` phases the cache width when
+        every request has a slot (S >= R), as in the static sampler.
       slots: S >= 1, rows decoded at once (the KV cache holds S rows).
       prompt_len: Lp, the prompts' (left-padded) width.
       return_stats: also return `EngineStats`.
@@ -368,6 +477,7 @@ def make_continuous_generate_fn(
             top_p=float(sampling.top_p),
             eos_ids=sampling.eos_ids,
             pad_id=int(sampling.pad_id),
+            kv_buckets=int(sampling.kv_buckets),
         )
         return (rollout, stats) if return_stats else rollout
 

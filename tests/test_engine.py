@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import models
-from jaxrl_llm.engine import Prefix, make_continuous_generate_fn, make_partial_generate_fn
+from jaxrl_llm.engine import (
+    Prefix,
+    batch_widths,
+    make_continuous_generate_fn,
+    make_partial_generate_fn,
+)
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import SamplingConfig, make_generate_fn
 
@@ -151,6 +156,33 @@ def test_waves_of_ending_rows_are_refilled_by_batched_prefills():
     np.testing.assert_allclose(wave.logps, one.logps, atol=1e-5)
     np.testing.assert_allclose(wave.logps, _recompute_logps(prompts, mask, wave, 1.0), atol=1e-5)
     assert int(stats.prefills) == R and int(stats.decode_steps) == 3 + 5
+
+
+def test_drained_batch_is_compacted_as_rows_end():
+    """With every request in a slot (S = R = 32) nothing is refilled; as rows end the
+    batch is compacted to 16, then 8 live rows (`batch_widths`), and the cache width grows
+    in `kv_buckets` phases. Rollouts equal those of 3 refilled slots (same keys), and the
+    decoded rows are the hand-counted widths: 32 while more than 16 rows live, etc."""
+    prompts, mask = (jnp.tile(a, (4, 1)) for a in _prompts())
+    budgets = np.array([12] * 3 + [1, 2, 3, 4, 5] * 5 + [6, 7, 8, 9], np.int32)
+    sampling = SamplingConfig(max_new_tokens=T, temperature=1.0)
+    key = jax.random.key(11)
+    args = (PARAMS, prompts, mask, key, jnp.asarray(budgets))
+    drained, stats = _continuous(sampling, 32)(*args)
+    refilled, _ = _continuous(sampling, 3)(*args)
+    for name in OUTPUTS:
+        np.testing.assert_array_equal(getattr(drained, name), getattr(refilled, name), name)
+    np.testing.assert_allclose(drained.logps, refilled.logps, atol=1e-5)
+    np.testing.assert_allclose(
+        drained.logps, _recompute_logps(prompts, mask, drained, 1.0), atol=1e-5
+    )
+    np.testing.assert_array_equal(drained.lengths, budgets)
+    assert batch_widths(32) == [32, 16, 8]
+    live = [int((budgets > k).sum()) for k in range(T)]  # rows decoded at step k
+    widths = [32 if a > 16 else 16 if a > 8 else 8 for a in live]
+    assert int(stats.decode_steps) == T
+    assert int(stats.decoded_rows) == sum(widths) == 32 * 4 + 16 + 8 * 7
+    assert float(stats.slot_utilization) == pytest.approx(budgets.sum() / sum(widths))
 
 
 def _partial(sampling, slots, group_size, stop_groups):
