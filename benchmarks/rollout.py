@@ -153,14 +153,13 @@ def run_case(args, config, params, name: str, lengths: np.ndarray) -> list[dict]
 
 def rl_steps_case(args, config, params) -> list[dict]:
     """Time per RL step with and without partial rollouts (see the module docstring)."""
-    n, g, s, lp = args.rollouts, args.group_size, args.slots, args.prompt_len
+    n, g, lp = args.rollouts, args.group_size, args.prompt_len
     p = n // g
-    rng = np.random.default_rng(1)
     pool_lengths = heavy_tail_lengths(4096, args.mean_len, args.max_over_mean, seed=2)
     t_max = int(pool_lengths.max())
     sampling = SamplingConfig(max_new_tokens=t_max, temperature=args.temperature)
 
-    def fresh(groups: int) -> partial.Pool:
+    def fresh(groups: int, rng: np.random.Generator) -> partial.Pool:
         tokens = rng.integers(1, config.vocab_size, (groups, lp)).astype(np.int32)
         lengths = rng.choice(pool_lengths, (groups, g))  # this prompt's rows' EOS schedule
         batch = PromptBatch(
@@ -173,30 +172,35 @@ def rl_steps_case(args, config, params) -> list[dict]:
         )
         return partial.Pool.fresh(batch, g, t_max, pad_id=0)
 
-    records = []
-    for mode in ("continuous", "partial"):
-        extra = args.extra_groups if mode == "partial" else 0
-        fn = jax.jit(
-            make_partial_generate_fn(
+    runs = []  # one per (slot count, mode); their steps are interleaved below
+    for slots in args.rl_slot_counts:
+        for mode in ("continuous", "partial"):
+            extra = args.extra_groups if mode == "partial" else 0
+            fn = make_partial_generate_fn(
                 config,
                 sampling,
-                slots=s,
+                slots=slots or (p + extra) * g,  # 0: every request has a slot
                 prompt_len=lp,
                 group_size=g,
                 stop_groups=p if mode == "partial" else 0,
             )
-        )
-        pool, times, lags, maxlag, stale, tokens = None, [], [], 0, [], 0
-        for step in range(args.rl_steps + 1):  # step 0 compiles
+            runs.append(dict(mode=mode, slots=slots, extra=extra, fn=jax.jit(fn), pool=None))
+            # Every run draws the same fresh prompts and lengths, in the same order.
+            runs[-1] |= dict(rng=np.random.default_rng(1), times=[], lags=[], stale=[])
+            runs[-1] |= dict(maxlag=0, tokens=0)
+    for step in range(args.rl_steps + 1):  # step 0 compiles
+        for run in runs:
+            pool, extra = run["pool"], run["extra"]
             need = p + extra - (pool.num_groups if pool else 0)
             if need > 0:
-                pool = fresh(need) if pool is None else pool.concat(fresh(need))
+                new = fresh(need, run["rng"])
+                pool = new if pool is None else pool.concat(new)
             work = pool.take(np.arange(p + extra))
             rest = pool.take(np.arange(p + extra, pool.num_groups))
             budgets = jnp.asarray([x for m in work.metadata for x in m["lengths"]], jnp.int32)
             key = jax.random.fold_in(jax.random.key(3), step)
             t0 = time.perf_counter()
-            rollout, done, _ = fn(
+            rollout, done, _ = run["fn"](
                 params,
                 jnp.asarray(work.prompts),
                 jnp.asarray(work.prompt_mask),
@@ -207,31 +211,36 @@ def rl_steps_case(args, config, params) -> list[dict]:
             jax.block_until_ready(rollout)
             elapsed = time.perf_counter() - t0
             trained, waiting = partial.settle(work, rollout, done, step, p)
-            pool = waiting.concat(rest)
+            run["pool"] = waiting.concat(rest)
             if step == 0:
                 continue
-            times.append(elapsed)
+            run["times"].append(elapsed)
             mask = np.arange(t_max)[None] < trained.lengths[:, None]
             lag = np.where(mask, step - trained.versions, 0)
-            lags.append(lag.sum() / mask.sum())
-            maxlag = max(maxlag, int(lag.max()))
-            stale.append(((lag > 0) & mask).sum() / mask.sum())
-            tokens += int(mask.sum())
+            run["lags"].append(lag.sum() / mask.sum())
+            run["maxlag"] = max(run["maxlag"], int(lag.max()))
+            run["stale"].append(((lag > 0) & mask).sum() / mask.sum())
+            run["tokens"] += int(mask.sum())
+    records = []
+    for run in runs:
+        base = next(r for r in runs if r["slots"] == run["slots"] and r["mode"] == "continuous")
+        step_s = float(np.median(run["times"]))
         records.append(
             {
                 "benchmark": "rollout",
                 "case": "rl_steps",
-                "engine": mode,
+                "engine": run["mode"],
                 "rollouts_per_step": n,
                 "group_size": g,
-                "extra_groups": extra,
-                "slots": s,
+                "extra_groups": run["extra"],
+                "slots": run["slots"],
                 "rl_steps": args.rl_steps,
-                "step_s": float(np.mean(times)),
-                "trained_tokens_per_s": tokens / float(np.sum(times)),
-                "staleness_mean": float(np.mean(lags)),
-                "staleness_max": maxlag,
-                "stale_token_frac": float(np.mean(stale)),
+                "step_s": step_s,
+                "speedup_vs_continuous": float(np.median(base["times"])) / step_s,
+                "trained_tokens_per_s": run["tokens"] / float(np.sum(run["times"])),
+                "staleness_mean": float(np.mean(run["lags"])),
+                "staleness_max": run["maxlag"],
+                "stale_token_frac": float(np.mean(run["stale"])),
                 "mean_len": float(pool_lengths.mean()),
                 "max_len": t_max,
             }
@@ -248,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
         "--slots",
         default="32,0",
         help="S decode slots of the continuous engine, comma-separated, one line each (0 = "
-        "--rollouts: every request has a slot); the first also sizes static_chunked and rl_steps",
+        "--rollouts: every request has a slot); the first also sizes static_chunked. rl_steps "
+        "runs one continuous and one partial line per count (0: every request of a step)",
     )
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--mean-len", type=int, default=16)
@@ -260,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rl-steps", type=int, default=4, help="timed RL steps (rl_steps case)")
     p.add_argument("--cases", default="heavy_tail,equal,rl_steps")
     args = p.parse_args(argv)
-    args.slot_counts = [int(x) or args.rollouts for x in args.slots.split(",")]
+    args.rl_slot_counts = [int(x) for x in args.slots.split(",")]
+    args.slot_counts = [x or args.rollouts for x in args.rl_slot_counts]
     args.slots = args.slot_counts[0]
     if args.rollouts % args.slots:
         raise ValueError(f"--slots {args.slots} must divide --rollouts {args.rollouts}")

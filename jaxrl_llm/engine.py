@@ -142,10 +142,10 @@ def _continuous_generate(
     rope_tabs = rope_sets(jnp.arange(lp + t_max)[None], config)  # each [1, P, 1, H/2]
     future = jnp.ones((size - lp,), bool)  # completion slots: hidden by causality until written
 
-    def prefill(rows: jax.Array) -> tuple[jax.Array, KVCache]:
+    def prefill(rows: jax.Array, with_prefix: bool = True) -> tuple[jax.Array, KVCache]:
         """Logits of the next token [M, V] and the cache of rows [M]: the prompt's Lp slots,
         or with a prefix all Lp + T (prompt and the completion tokens so far)."""
-        if prefix is None:
+        if prefix is None or not with_prefix:
             cache = init_cache(config, rows.shape[0], lp)
             h, cache = hidden_states(
                 params, config, prompts[rows], positions[rows], prompt_mask[rows], cache, 0
@@ -162,6 +162,11 @@ def _continuous_generate(
     def sample_row(logits, request, t):
         tok, logp, slogp = sample(logits[None], request_key(key, request, t))
         return tok[0], logp[0], slogp[0]
+
+    # Refill admits queued requests in batches: each iteration prefills the largest size
+    # of this static ladder (1, 4, 16, ..., S) that fits both the free slots and the queue,
+    # so a wave of rows ending together costs one batched prefill, not one per row.
+    ladder = sorted({min(4**i, n) for i in range(n.bit_length())} | {n})
 
     # Lock-step: every request is prefilled at step 0 with no prefix (S = R), so every
     # live row is at completion token `step`, a scalar cache index for the whole batch
@@ -180,18 +185,44 @@ def _continuous_generate(
         )
         return unembed(params, config, h[:, 0]), cache.k, cache.v
 
-    # Requests are served in index order, skipping those already done; queue[j] is the
-    # j-th to serve and `todo` how many there are.
+    # Requests are served in index order, those with a prefix first, skipping those
+    # already done; queue[j] is the j-th to serve, `todo` how many there are and the first
+    # `resumed` of them have a prefix.
     done0 = jnp.zeros((r,), bool) if prefix is None else prefix.done.astype(bool)
-    queue = jnp.argsort(done0, stable=True).astype(jnp.int32)  # not-done first, in order
-    todo = jnp.sum(~done0, dtype=jnp.int32)
     k0 = jnp.zeros((r,), jnp.int32) if prefix is None else prefix.lengths.astype(jnp.int32)
+    order = 2 * done0.astype(jnp.int32) + (k0 == 0)  # resumed, fresh, done
+    queue = jnp.argsort(order, stable=True).astype(jnp.int32)
+    todo = jnp.sum(~done0, dtype=jnp.int32)
+    resumed = jnp.sum(~done0 & (k0 > 0), dtype=jnp.int32)
     # Slot s serves request req[s] (r = idle) and has sampled t[s] of its tokens; logits[s]
     # are the logits of its next token. The first S requests are prefilled as one batch.
     slot_ids = jnp.arange(n, dtype=jnp.int32)
     first = jnp.where(slot_ids < todo, queue[:n], r)
-    logits, cache = prefill(jnp.minimum(first, r - 1))
-    ks, vs = cache.k, cache.v  # [S, K, H, C] and [S, K, C, H], C = Lp (or Lp + T)
+    logits, cache = prefill(jnp.minimum(first, r - 1), False)
+    ks, vs = cache.k, cache.v  # [S, K, H, C] and [S, K, C, H], C = Lp
+    if prefix is not None:
+        # The resumed requests among the first S (slots [0, min(resumed, S))) are prefilled
+        # again with their tokens, in batches of the `ladder` sizes: a handful of carried
+        # rows costs a handful of Lp + T prefills, not S of them.
+        ks = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, size - lp))) for a in ks)
+        vs = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, size - lp), (0, 0))) for a in vs)
+
+        def resume(m: int):
+            def fn(state):
+                j, logits, ks, vs = state
+                row_logits, pc = prefill(lax.dynamic_slice_in_dim(first, j, m))
+                at = (j, 0, 0, 0)
+                ks = tuple(lax.dynamic_update_slice(a, p, at) for a, p in zip(ks, pc.k))
+                vs = tuple(lax.dynamic_update_slice(a, p, at) for a, p in zip(vs, pc.v))
+                return j + m, lax.dynamic_update_slice(logits, row_logits, (j, 0)), ks, vs
+
+            return fn
+
+        head = jnp.minimum(resumed, n)
+        state = (jnp.asarray(0, jnp.int32), logits, ks, vs)
+        for m in [2**i for i in reversed(range(n.bit_length()))]:  # head in binary
+            state = lax.cond(head - state[0] >= m, resume(m), lambda c: c, state)
+        _, logits, ks, vs = state
     valid = jnp.concatenate(
         [prompt_mask[jnp.minimum(first, r - 1)], jnp.ones((n, size - lp), bool)], axis=1
     )  # [S, C]
@@ -213,16 +244,23 @@ def _continuous_generate(
         )
     slot_state = (first, k0[jnp.minimum(first, r - 1)], logits, valid, ks, vs)
 
-    # Refill admits queued requests in batches: each iteration prefills the largest size
-    # of this static ladder (1, 4, 16, ..., S) that fits both the free slots and the queue,
-    # so a wave of rows ending together costs one batched prefill, not one per row.
-    ladder = sorted({min(4**i, n) for i in range(n.bit_length())} | {n})
-
     def admit(m: int):
         def fn(free, nxt, slot_state):
             req, t, logits, valid, ks, vs = slot_state
             new = lax.dynamic_slice_in_dim(queue, nxt, m)  # next m queued requests
-            row_logits, pc = prefill(new)
+            if prefix is None:
+                row_logits, pc = prefill(new)
+            else:  # a prefix prefill only while resumed requests are queued
+
+                def fresh(new):
+                    row_logits, pc = prefill(new, False)
+                    grow = lambda x, axis: jnp.pad(
+                        x, [(0, size - lp) if i == axis else (0, 0) for i in range(4)]
+                    )
+                    k = tuple(grow(a, 3) for a in pc.k)
+                    return row_logits, KVCache(k=k, v=tuple(grow(a, 2) for a in pc.v))
+
+                row_logits, pc = lax.cond(nxt < resumed, prefill, fresh, new)
             if m == 1:  # the common case with a length tail: a contiguous slice write
                 slot = jnp.argmax(free).astype(jnp.int32)[None]
                 at = (slot[0], 0, 0, 0)
@@ -506,10 +544,11 @@ def make_partial_generate_fn(
     `group_size`; `max_lengths` [R] caps each request's total completion length (prefix
     included), as in `make_continuous_generate_fn`.
 
-    - Requests are served in index order (put the oldest carried rows first), skipping
-      those with `prefix.done`; a request with `prefix.lengths[i] = k` is prefilled with
-      its prompt and its k tokens and samples from token k on, with keys
-      `request_key(key, i, t)` as in `make_continuous_generate_fn`.
+    - Requests are served in index order, those with a prefix first (put the oldest
+      carried rows first), skipping those with `prefix.done`; a request with
+      `prefix.lengths[i] = k` is prefilled with its prompt and its k tokens and samples
+      from token k on, with keys `request_key(key, i, t)` as in
+      `make_continuous_generate_fn`.
     - The loop ends when every request is done or at least `stop_groups` groups are
       (several may complete in the same decode step); a row still being decoded then has
       the tokens it sampled so far in the Rollout (`lengths`, mask, log-probs), and
@@ -520,8 +559,9 @@ def make_partial_generate_fn(
       `make_continuous_generate_fn`'s for an empty prefix, up to the prefill's rounding).
     - `EngineStats.useful_tokens` counts the tokens sampled by this call.
 
-    Prefills take Lp + T positions (prompt and prefix), so resuming costs one prefill per
-    carried row, as APRIL's re-prefill of partial samples on the inference engine does.
+    Requests with a prefix are served first (in index order), then the fresh ones. A
+    resumed request's prefill takes Lp + T positions (prompt and prefix), as APRIL's
+    re-prefill of partial samples on the inference engine does; a fresh one takes Lp.
     """
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"partial generate: slots must be an int >= 1, got {slots!r}")

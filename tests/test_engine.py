@@ -243,20 +243,25 @@ def test_partial_rollouts_stop_early_and_resume_to_the_uninterrupted_rollouts(te
     carry = _carry(first, jnp.asarray(done))
     # Mark the carried log-probs so their pass-through is visible.
     carry = carry.replace(logps=jnp.where(first.completion_mask, carry.logps - 1.0, 0.0))
-    second, done2, stats2 = _partial(sampling, 2, 2, 0)(PARAMS, prompts, mask, key, carry)
-    np.testing.assert_array_equal(done2, True)
-    for name in OUTPUTS:
-        np.testing.assert_array_equal(getattr(second, name), getattr(full, name), name)
-    old = np.arange(T)[None] < lengths[:, None]
-    np.testing.assert_allclose(
-        np.asarray(second.logps)[old], np.asarray(full.logps)[old] - 1.0, atol=1e-5
-    )
-    np.testing.assert_allclose(
-        np.asarray(second.logps)[~old], np.asarray(full.logps)[~old], atol=1e-5
-    )
-    # Only the unfinished rows were decoded again, from where they stopped.
-    assert int(stats2.prefills) == int((~done).sum())
-    assert int(stats2.useful_tokens) == int(full_len.sum() - lengths.sum())
+    resumed = int(((lengths > 0) & ~done).sum())
+    assert resumed >= 1
+    # 2 slots: resumed rows beyond the first two are admitted by refills; R slots: all
+    # start at once, the resumed ones re-prefilled with their tokens (batches of 4, 2, 1).
+    for slots in (2, R):
+        second, done2, stats2 = _partial(sampling, slots, 2, 0)(PARAMS, prompts, mask, key, carry)
+        np.testing.assert_array_equal(done2, True)
+        for name in OUTPUTS:
+            np.testing.assert_array_equal(getattr(second, name), getattr(full, name), name)
+        old = np.arange(T)[None] < lengths[:, None]
+        np.testing.assert_allclose(
+            np.asarray(second.logps)[old], np.asarray(full.logps)[old] - 1.0, atol=1e-5
+        )
+        np.testing.assert_allclose(
+            np.asarray(second.logps)[~old], np.asarray(full.logps)[~old], atol=1e-5
+        )
+        # Only the unfinished rows were decoded again, from where they stopped.
+        assert int(stats2.prefills) == int((~done).sum())
+        assert int(stats2.useful_tokens) == int(full_len.sum() - lengths.sum())
 
 
 def test_partial_generate_rejects_bad_shapes():
