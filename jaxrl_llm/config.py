@@ -286,6 +286,11 @@ def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
     d["max_len"] = d["max_len"] or None
     d["is_cap"] = d["is_cap"] or None
     d["temperature"] = c.sampling.temperature if c.sampling.temperature > 0 else 1.0
+    # Off-policy batches (partial or asynchronous rollouts) updated once: the proximal
+    # policy is the current one (LossConfig.current_proximal).
+    off_policy = c.rl.partial_rollouts > 0 or c.rl.asynchronous.max_staleness > 0
+    single = c.loss.num_iterations == 1 and c.loss.num_minibatches == 1
+    d["current_proximal"] = bool(off_policy and single)
     try:
         return LossConfig(**d)
     except (TypeError, ValueError) as e:

@@ -266,6 +266,7 @@ class Stages:
     # partial-rollout sampler, or None when partial rollouts are off.
     partial_generate: Callable | None = None
     lora: bool = False  # whether the policy carries LoRA adapters
+    loss: LossConfig | None = None  # the update's loss options
 
     def split(self, params) -> tuple[Any, Any]:
         """(trained, frozen) parts of the policy params: (adapters, base) under LoRA,
@@ -468,6 +469,7 @@ def build_stages(
         to_batch=jit(rollouts_to_batch, in_shardings=(rows, rows, rows), out_shardings=rows),
         policy_pass=policy_pass,
         ref_pass=ref_pass,
+        loss=loss,
         chain=chain_fn,
         trained_groups=groups_fn,
         update=update,

@@ -71,6 +71,11 @@ class LossConfig:
     # pi_prox / pi_behav (None = uncapped), "truncate" (min(w, C)) or "mask" (w > C -> 0).
     is_cap: float | None = 2.0
     is_cap_mode: str = "truncate"
+    # Decoupled PPO with one optimizer step per batch (num_iterations = num_minibatches =
+    # 1): the proximal policy is the parameters being differentiated, so the loss takes
+    # pi_prox = stop_gradient(pi_theta) from its own forward pass and ignores old_logps;
+    # the trainer then skips the separate proximal pass (one forward per step fewer).
+    current_proximal: bool = False
 
     def __post_init__(self):
         check_choice("loss.ratio", self.ratio, losses.RATIO_LEVELS)
@@ -157,10 +162,13 @@ def loss_terms(params, model: ModelConfig, cfg: LossConfig, batch: TrainBatch):
         clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, ratio=cfg.ratio
     )
     decoupled = batch.behav_logps is not None
+    # The reference of the clipped ratio: the batch's old (proximal) log-probs, or with
+    # `current_proximal` the current policy's own, without gradient.
+    old = jax.lax.stop_gradient(logps) if decoupled and cfg.current_proximal else batch.old_logps
     if decoupled:
         pg, aux = losses.decoupled_policy_loss_with_aux(
             logps,
-            batch.old_logps,
+            old,
             batch.behav_logps,
             batch.advantages,
             w,
@@ -188,7 +196,7 @@ def loss_terms(params, model: ModelConfig, cfg: LossConfig, batch: TrainBatch):
         "clip_frac_high": jnp.sum(aux["clipped_high"] * on),
         "clip_frac_low": jnp.sum(aux["clipped_low"] * on),
         "dual_clip_frac": jnp.sum(aux["dual_clipped"] * on),
-        "approx_kl_old": jnp.sum(0.5 * jnp.square(logps - batch.old_logps) * on),
+        "approx_kl_old": jnp.sum(0.5 * jnp.square(logps - old) * on),
     }
     if decoupled:
         sums["is_weight"] = jnp.sum(aux["is_weight"] * on)

@@ -366,7 +366,10 @@ def prepare(run: Run, state: TrainState, frozen, ref_params, scored: stages.Scor
     # Off-policy batches (behaviour log-probs from older policies: partial or asynchronous
     # rollouts) get the proximal policy's log-probs as old_logps (decoupled PPO).
     proximal = batch.behav_logps is not None
-    if "entropy" in run.chain.needs or c.rl.recompute_old_logps or proximal:
+    # With one update per batch the loss takes the proximal log-probs from its own forward
+    # (LossConfig.current_proximal): no pass here for them.
+    pass_for_proximal = proximal and not (st.loss and st.loss.current_proximal)
+    if "entropy" in run.chain.needs or c.rl.recompute_old_logps or pass_for_proximal:
         logps, entropy = st.policy_pass(st.policy(state, frozen), batch)
         if c.rl.recompute_old_logps or proximal:
             batch = batch.replace(old_logps=logps * batch.loss_weights)

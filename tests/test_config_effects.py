@@ -248,3 +248,14 @@ def test_d3s_token_schedule_counts_rl_steps_not_optimizer_steps():
         # Four optimizer steps per RL step; the schedule still advanced by one.
         assert int(state.step) == 4 * (rl_step + 1)
         assert int(state.transform_state[-1].count) == rl_step + 1
+
+
+def test_off_policy_configs_take_the_proximal_policy_from_the_update_when_it_is_one_step():
+    assert not config.loss_config(_config("quickstart")).current_proximal  # on-policy
+    c = _config("quickstart_partial")
+    assert config.loss_config(c).current_proximal  # one update per batch
+    c.loss.num_minibatches = 2  # later mini-batches: the proximal pass is needed again
+    assert not config.loss_config(c).current_proximal
+    c = _config("quickstart")
+    c.rl.asynchronous.max_staleness = 1
+    assert config.loss_config(c).current_proximal

@@ -184,3 +184,28 @@ def test_decoupled_step_reduces_to_ppo_and_weights_stale_tokens():
     on = np.asarray(batch.loss_weights) > 0
     np.testing.assert_allclose(dec["is_weight"], np.minimum(w, 2.0)[on].mean(), rtol=1e-5)
     np.testing.assert_allclose(dec["is_truncated_frac"], (w > 2.0)[on].mean(), rtol=1e-5)
+
+
+def test_current_proximal_equals_a_recomputed_proximal_pass():
+    """One update per batch: the proximal policy is the current one, so taking pi_prox
+    from the loss's own forward (current_proximal, old_logps ignored) gives the update of
+    a separate proximal pass written into old_logps."""
+    params = init_params(MODEL, jax.random.key(0))
+    batch = _batch()
+    logps, _ = ts.completion_logps(params, MODEL, batch, 1.0)
+    n = batch.loss_weights.shape[0]
+    behav = logps - np.log(np.where(np.arange(n) % 2 == 0, 1.5, 4.0))[:, None].astype(np.float32)
+    opt = optax.sgd(0.5)
+    recomputed = batch.replace(old_logps=logps, behav_logps=behav)
+    ref_state, ref = jax.jit(ts.make_train_step(MODEL, ts.LossConfig(), opt))(
+        _state(params, opt), recomputed
+    )
+    cfg = ts.LossConfig(current_proximal=True)
+    ignored = batch.replace(old_logps=logps + 3.0, behav_logps=behav)  # a wrong old_logps
+    state, metrics = jax.jit(ts.make_train_step(MODEL, cfg, opt))(_state(params, opt), ignored)
+    for a, b in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(state.params)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    for k in ("loss", "is_weight", "is_truncated_frac", "ratio"):
+        np.testing.assert_allclose(metrics[k], ref[k], rtol=1e-5, atol=1e-7)
+    assert float(metrics["is_truncated_frac"]) > 0  # the cap binds on half the rows
+    np.testing.assert_allclose(metrics["ratio"], 1.0, atol=1e-6)
