@@ -18,7 +18,8 @@ How the lengths are enforced (no EOS ids, so the random model cannot end a row e
     decodes N / S batches of S rows one after another, the same KV-cache footprint as
     the engine's S slots.
 useful_tokens = sum of drawn lengths, the same for every engine; tokens_per_s =
-useful_tokens / median wall time; slot_utilization = useful_tokens / (decoded rows x
+useful_tokens / median wall time, the engines called in turn, repeat after repeat (load
+drift hits all alike; speedup_vs_static is the ratio of medians); slot_utilization = useful_tokens / (decoded rows x
 steps).
 The continuous engine serves requests first come, first served, not knowing their
 lengths, so its steps are at least (admission step + length) of the longest request:
@@ -30,7 +31,8 @@ A third case, "rl_steps", times --rl-steps RL steps of P x G = --rollouts rollou
   * "partial" (APRIL, `jaxrl_llm.partial`): every step requests --extra-groups more
     groups, stops once P groups are complete, and carries the rest (resumed first, from
     their tokens, by the next step), as the trainer does with rl.partial_rollouts.
-Its lines report the mean wall time per step (after a compile step) and, for "partial",
+Its lines report the median wall time per step (after a compile step; both modes' steps
+interleaved), the mean decode steps and decoded rows per step, and, for "partial",
 the staleness of the trained tokens (steps since each was sampled: mean, max, and the
 fraction sampled in an earlier step). Parameters do not change between steps here: the
 line measures the rollout system, not learning.
@@ -187,7 +189,7 @@ def rl_steps_case(args, config, params) -> list[dict]:
             runs.append(dict(mode=mode, slots=slots, extra=extra, fn=jax.jit(fn), pool=None))
             # Every run draws the same fresh prompts and lengths, in the same order.
             runs[-1] |= dict(rng=np.random.default_rng(1), times=[], lags=[], stale=[])
-            runs[-1] |= dict(maxlag=0, tokens=0)
+            runs[-1] |= dict(maxlag=0, tokens=0, steps=[], rows=[])
     for step in range(args.rl_steps + 1):  # step 0 compiles
         for run in runs:
             pool, extra = run["pool"], run["extra"]
@@ -200,7 +202,7 @@ def rl_steps_case(args, config, params) -> list[dict]:
             budgets = jnp.asarray([x for m in work.metadata for x in m["lengths"]], jnp.int32)
             key = jax.random.fold_in(jax.random.key(3), step)
             t0 = time.perf_counter()
-            rollout, done, _ = run["fn"](
+            rollout, done, stats = run["fn"](
                 params,
                 jnp.asarray(work.prompts),
                 jnp.asarray(work.prompt_mask),
@@ -221,6 +223,8 @@ def rl_steps_case(args, config, params) -> list[dict]:
             run["maxlag"] = max(run["maxlag"], int(lag.max()))
             run["stale"].append(((lag > 0) & mask).sum() / mask.sum())
             run["tokens"] += int(mask.sum())
+            run["steps"].append(int(stats.decode_steps))
+            run["rows"].append(int(stats.decoded_rows))
     records = []
     for run in runs:
         base = next(r for r in runs if r["slots"] == run["slots"] and r["mode"] == "continuous")
@@ -238,6 +242,11 @@ def rl_steps_case(args, config, params) -> list[dict]:
                 "step_s": step_s,
                 "speedup_vs_continuous": float(np.median(base["times"])) / step_s,
                 "trained_tokens_per_s": run["tokens"] / float(np.sum(run["times"])),
+                # Per RL step: loop iterations (what a step costs where a decode step's
+                # cost hardly depends on the batch, as on a GPU) and rows decoded (what it
+                # costs where it grows with the batch, as on this CPU).
+                "decode_steps": float(np.mean(run["steps"])),
+                "decoded_rows": float(np.mean(run["rows"])),
                 "staleness_mean": float(np.mean(run["lags"])),
                 "staleness_max": run["maxlag"],
                 "stale_token_frac": float(np.mean(run["stale"])),
