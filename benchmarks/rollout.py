@@ -19,8 +19,8 @@ How the lengths are enforced (no EOS ids, so the random model cannot end a row e
     the engine's S slots.
 useful_tokens = sum of drawn lengths, the same for every engine; tokens_per_s =
 useful_tokens / median wall time, the engines called in turn, repeat after repeat (load
-drift hits all alike; speedup_vs_static is the ratio of medians); slot_utilization = useful_tokens / (decoded rows x
-steps).
+drift hits all alike; speedup_vs_static is the ratio of medians); slot_utilization =
+useful_tokens / rows decoded over all steps.
 The continuous engine serves requests first come, first served, not knowing their
 lengths, so its steps are at least (admission step + length) of the longest request:
 with a heavy tail and few requests per slot, that tail bounds its utilization.
