@@ -1,7 +1,8 @@
 """Continuous-batching sampler: S decode slots serve a queue of R requests inside one
-compiled `lax.while_loop`; a slot whose completion ends is refilled with the next queued
-prompt (a one-row prefill into its cache rows), so short completions stop costing decode
-steps while the longest one finishes.
+compiled program; a slot whose completion ends is refilled with the next queued prompt
+(batched prefills into the freed slots' cache rows), and once the queue is empty the live
+rows are compacted into narrower batches, so short completions stop costing decode rows
+while the longest one finishes.
 
 `make_continuous_generate_fn` is a drop-in for `sampler.make_generate_fn` (same
 `SamplingConfig`, same `Rollout`, rows in request order) when completion lengths vary.
@@ -467,12 +468,14 @@ def make_continuous_generate_fn(
     Rollout (R rows, in request order), or (Rollout, EngineStats) with return_stats.
 
     min(slots, R) decode slots serve the R requests (prompt rows) first come, first
-    served. One `lax.while_loop` iteration samples one token for every busy slot, feeds
-    it through the model (per-slot cache index and RoPE position: the step is the
-    one-row decode vmapped over slots), and then refills each slot whose completion
-    ended (EOS, or its budget) with the next queued request: a one-row prefill of the
-    prompt written into that slot's cache rows with `dynamic_update_slice`, and that
-    row's attention mask replaced by the new prompt's. A row's cache layout is the
+    served. One loop iteration samples one token for every busy slot, feeds it through
+    the model (one batched trunk call, a cache index and RoPE position per slot), and
+    then refills the slots whose completions ended (EOS, or their budget) with the next
+    queued requests: batched prefills of their prompts written into those slots' cache
+    rows, and their attention masks replaced by the new prompts'. Once the queue is
+    empty, the live slots are compacted into a batch of half the width whenever they fit
+    (`batch_widths`); with S >= R every row moves in lock step and the cache width grows
+    in `sampling.kv_buckets` phases, as in the static sampler. A row's cache layout is the
     static sampler's ([0, Lp) prompt, Lp + t completion token t), so a request sees the
     same computation wherever and whenever it runs. No host round trip per token.
 
