@@ -95,6 +95,15 @@ class Prefix:
         )
 
 
+def _widen(ks: tuple, vs: tuple, width: int) -> tuple[tuple, tuple]:
+    """Cache buffers padded to `width` slots per row: k [M, K, H, C], v [M, K, C, H]."""
+    grow = width - ks[0].shape[-1]
+    if not grow:
+        return ks, vs
+    ks = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, grow))) for a in ks)
+    return ks, tuple(jnp.pad(a, ((0, 0), (0, 0), (0, grow), (0, 0))) for a in vs)
+
+
 def request_key(key: jax.Array, request: jax.Array, t: jax.Array) -> jax.Array:
     """The key of completion token t of request `request`: fold_in(fold_in(key, request), t).
 
@@ -205,8 +214,7 @@ def _continuous_generate(
         # The resumed requests among the first S (slots [0, min(resumed, S))) are prefilled
         # again with their tokens, in batches of the `ladder` sizes: a handful of carried
         # rows costs a handful of Lp + T prefills, not S of them.
-        ks = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, size - lp))) for a in ks)
-        vs = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, size - lp), (0, 0))) for a in vs)
+        ks, vs = _widen(ks, vs, size)
 
         def resume(m: int):
             def fn(state):
@@ -255,11 +263,7 @@ def _continuous_generate(
 
                 def fresh(new):
                     row_logits, pc = prefill(new, False)
-                    grow = lambda x, axis: jnp.pad(
-                        x, [(0, size - lp) if i == axis else (0, 0) for i in range(4)]
-                    )
-                    k = tuple(grow(a, 3) for a in pc.k)
-                    return row_logits, KVCache(k=k, v=tuple(grow(a, 2) for a in pc.v))
+                    return row_logits, KVCache(*_widen(pc.k, pc.v, size))
 
                 row_logits, pc = lax.cond(nxt < resumed, prefill, fresh, new)
             if m == 1:  # the common case with a length tail: a contiguous slice write
@@ -370,11 +374,7 @@ def _continuous_generate(
             req, t, logits, valid, ks, vs = jax.tree.map(
                 lambda a: a[keep], (req, t, logits, valid, ks, vs)
             )
-        grow = kv - ks[0].shape[-1]
-        if grow:
-            ks = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, grow))) for a in ks)
-            vs = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, grow), (0, 0))) for a in vs)
-        return req, t, logits, valid, ks, vs
+        return (req, t, logits, valid, *_widen(ks, vs, kv))
 
     # The phases, a static sequence (one compiled loop body each); a phase whose limits
     # already fail runs no step:
